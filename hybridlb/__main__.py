@@ -1,0 +1,3 @@
+from hybridlb.cli import app
+
+app()

@@ -1,0 +1,115 @@
+"""The one configuration tree, loaded from YAML or built from CLI flags.
+
+Every field is documented with ``Field(description=...)``; ``--help`` and the docs read
+from there. Models forbid unknown keys and are frozen: values resolved at run time
+(the model's real max length, the number of KV blocks) live in the component that
+resolved them, never back in here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration problem, phrased for the user: what is wrong and how to fix it."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class MakeModelConfig(_Section):
+    """A random-weight checkpoint to write at ``engine.model`` when nothing is there yet."""
+
+    arch: Literal["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"] = Field(
+        "qwen3", description="Architecture of the checkpoint to make."
+    )
+    size: Literal["tiny", "small"] = Field("tiny", description="tiny for tests, small for benchmarks.")
+    seed: int = Field(0, description="Seed of the random weights.")
+
+
+class EngineConfig(_Section):
+    """What one engine (one data-parallel rank) needs to load a model and run it."""
+
+    model: str = Field(description="Path to a local Hugging Face checkpoint directory (never downloaded).")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weight and activation dtype; auto is float32 on CPU and bfloat16 on CUDA."
+    )
+    device: Literal["cpu", "cuda"] = Field("cpu", description="Where the model runs.")
+    max_num_seqs: int = Field(64, ge=1, description="Most requests in one batch (running queue size).")
+    max_num_batched_tokens: int = Field(
+        2048, ge=16, description="Token budget of one step; longer prompts are prefilled in chunks."
+    )
+    max_model_len: int | None = Field(
+        None, ge=2, description="Longest prompt plus output; defaults to the checkpoint's max positions."
+    )
+    block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV-cache block.")
+    kv_cache_gib: float = Field(0.5, gt=0, description="Memory given to the KV cache, in GiB.")
+    num_kv_blocks: int | None = Field(
+        None, ge=1, description="Exact number of KV blocks; overrides kv_cache_gib (tests use it)."
+    )
+    make_if_missing: MakeModelConfig | None = Field(
+        None, description="If set and engine.model does not exist, write this random checkpoint there first."
+    )
+    seed: int = Field(0, description="Seed for requests that do not set their own.")
+    torch_threads: int = Field(
+        0, ge=0, description="Torch intra-op threads; 0 splits this machine's cores among its engines."
+    )
+
+    @model_validator(mode="after")
+    def _check_cache_fits_a_sequence(self) -> EngineConfig:
+        if self.num_kv_blocks is not None and self.max_model_len is not None:
+            needed = -(-self.max_model_len // self.block_size)
+            if self.num_kv_blocks < needed:
+                raise ValueError(
+                    f"num_kv_blocks={self.num_kv_blocks} cannot hold one sequence of max_model_len="
+                    f"{self.max_model_len} ({needed} blocks of {self.block_size}); raise num_kv_blocks "
+                    "or lower max_model_len"
+                )
+        return self
+
+
+class Config(_Section):
+    """The whole hybridlb configuration."""
+
+    engine: EngineConfig = Field(description="Model and engine settings shared by every rank.")
+
+
+def _describe(error: ValidationError) -> str:
+    lines = []
+    for item in error.errors():
+        where = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        message = item["msg"]
+        if item["type"] == "extra_forbidden":
+            message = "unknown key; remove it or check its spelling"
+        lines.append(f"  {where}: {message}")
+    return "\n".join(lines)
+
+
+def parse_config(data: object, source: str = "config") -> Config:
+    """Validate a mapping into a Config, or raise ConfigError listing every problem."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(f"{source} is invalid:\n{_describe(exc)}") from None
+
+
+def load_config(path: str | Path) -> Config:
+    """Load and validate a YAML config file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {exc}") from None
+    return parse_config(data, str(path))

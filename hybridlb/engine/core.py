@@ -1,0 +1,117 @@
+"""EngineCore: the whole engine as a plain object — no sockets, no threads.
+
+One ``step()`` is: schedule → run the model → append sampled tokens → finish what
+stopped. Front ends (the process shell, the offline ``LLM``) add and abort requests
+between steps and forward the returned outputs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridlb.config import EngineConfig
+from hybridlb.engine.block_manager import BlockManager
+from hybridlb.engine.model_runner import ModelRunner
+from hybridlb.engine.request import Request
+from hybridlb.engine.scheduler import ScheduledChunk, Scheduler
+from hybridlb.model.tokenizer import read_eos_token_ids
+from hybridlb.protocol import EngineStats, RequestOutput, SamplingParams
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, rank: int = 0):
+        self.config = config
+        self.rank = rank
+        self.runner = ModelRunner(config)
+        self.max_model_len = self.runner.max_model_len
+        self.vocab_size = self.runner.spec.vocab_size
+        self.eos_token_ids = set(read_eos_token_ids(config.model))
+        self.blocks = BlockManager(self.runner.num_blocks, config.block_size)
+        self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.blocks)
+        self.requests: dict[str, Request] = {}
+        self.num_steps = 0
+
+    # -- requests in ---------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestOutput | None:
+        """Queue a request; on invalid input return its error output instead."""
+        problem = self._check(request_id, prompt_token_ids, params)
+        if problem:
+            return RequestOutput(request_id, [], finish_reason="error", error=problem)
+        room = self.max_model_len - len(prompt_token_ids)
+        max_tokens = min(params.max_tokens or room, room)
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
+        request = Request(request_id, prompt_token_ids, params, max_tokens, generator)
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+        return None
+
+    def _check(self, request_id: str, prompt: list[int], params: SamplingParams) -> str | None:
+        if request_id in self.requests:
+            return f"request id {request_id!r} is already in use"
+        if not prompt:
+            return "the prompt is empty"
+        if len(prompt) >= self.max_model_len:
+            return (f"the prompt has {len(prompt)} tokens but max_model_len is {self.max_model_len}; "
+                    "shorten the prompt")
+        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
+            return f"prompt token ids must be in [0, {self.vocab_size})"
+        problems = params.problems()
+        return "; ".join(message for _, message in problems) if problems else None
+
+    def abort(self, request_ids: list[str]) -> list[RequestOutput]:
+        """Stop requests and free their KV blocks; unknown or finished ids are ignored."""
+        outputs = []
+        for request_id in request_ids:
+            request = self.requests.pop(request_id, None)
+            if request is not None:
+                self.scheduler.finish(request)
+                outputs.append(RequestOutput(request_id, [], finish_reason="abort"))
+        return outputs
+
+    # -- the step ------------------------------------------------------------------
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def step(self) -> list[RequestOutput]:
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return []
+        tokens = self.runner.run(chunks)
+        self.num_steps += 1
+        return self._postprocess(chunks, tokens)
+
+    def _postprocess(self, chunks: list[ScheduledChunk], tokens: list[int]) -> list[RequestOutput]:
+        outputs = []
+        sampled = iter(tokens)
+        for chunk in chunks:
+            request = chunk.request
+            samples = chunk.samples
+            request.num_computed += chunk.num_tokens
+            if not samples:
+                continue
+            token = next(sampled)
+            request.token_ids.append(token)
+            reason, stop_token = self._finish_reason(request, token)
+            outputs.append(RequestOutput(request.request_id, [token], reason, stop_token))
+            if reason is not None:
+                self.scheduler.finish(request)
+                del self.requests[request.request_id]
+        return outputs
+
+    def _finish_reason(self, request: Request, token: int) -> tuple[str | None, int | None]:
+        if token in request.stop_ids or (token in self.eos_token_ids and not request.params.ignore_eos):
+            return "stop", token
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            return "length", None
+        return None, None
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            rank=self.rank,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_usage=round(self.blocks.usage, 4),
+        )

@@ -1,0 +1,92 @@
+"""Start engine processes, wait for their readiness handshake, stop them."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+from hybridlb.config import EngineConfig
+from hybridlb.engine.client import EngineClient
+from hybridlb.engine.process import run_engine
+from hybridlb.protocol import EngineReady
+
+_spawn = multiprocessing.get_context("spawn")
+
+
+class EngineStartError(RuntimeError):
+    """An engine process failed to come up; the message carries its own error."""
+
+
+@dataclass
+class EngineProcess:
+    rank: int
+    address: str
+    process: multiprocessing.Process
+    errors: Connection
+
+    def failure(self) -> str | None:
+        """Why the process died during start-up, or None while it is alive."""
+        if self.errors.poll():
+            try:
+                return self.errors.recv()
+            except EOFError:  # the child closed the pipe without a message: it died
+                self.process.join(1)
+        if not self.process.is_alive():
+            return f"exited with code {self.process.exitcode}"
+        return None
+
+
+def default_torch_threads(config: EngineConfig, local_engines: int) -> int:
+    """Split this machine's cores among the engines on it, at least one each."""
+    return config.torch_threads or max(1, (os.cpu_count() or 1) // local_engines)
+
+
+def start_engine(config: EngineConfig, rank: int, address: str, torch_threads: int) -> EngineProcess:
+    reader, writer = _spawn.Pipe(duplex=False)
+    process = _spawn.Process(
+        target=run_engine, args=(config, rank, address, torch_threads, writer),
+        name=f"hybridlb:engine:{rank}", daemon=True,
+    )
+    process.start()
+    writer.close()
+    return EngineProcess(rank, address, process, reader)
+
+
+def wait_until_ready(engines: list[EngineProcess], timeout_s: float = 300.0) -> list[EngineReady]:
+    """Handshake with every engine; raise EngineStartError naming any that failed."""
+    deadline = time.monotonic() + timeout_s
+    ready = []
+    for engine in engines:
+        client = EngineClient(engine.address, client_id=f"launcher-{os.getpid()}-{engine.rank}")
+        client.send_hello()
+        try:
+            while True:
+                try:
+                    ready.append(client.wait_ready(timeout_s=0.5))
+                    break
+                except TimeoutError:
+                    failure = engine.failure()
+                    if failure:
+                        raise EngineStartError(f"engine {engine.rank} failed to start: {failure}") from None
+                    if time.monotonic() > deadline:
+                        raise EngineStartError(
+                            f"engine {engine.rank} not ready after {timeout_s:.0f} s") from None
+        finally:
+            client.close()
+    return ready
+
+
+def stop_engines(engines: list[EngineProcess], timeout_s: float = 5.0) -> None:
+    """SIGTERM every engine, then SIGKILL whatever has not exited by ``timeout_s``."""
+    for engine in engines:
+        if engine.process.is_alive():
+            engine.process.terminate()
+    deadline = time.monotonic() + timeout_s
+    for engine in engines:
+        engine.process.join(max(0.0, deadline - time.monotonic()))
+        if engine.process.is_alive():
+            engine.process.kill()
+            engine.process.join()

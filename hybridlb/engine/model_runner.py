@@ -1,0 +1,138 @@
+"""Owns the model and its KV cache; turns a scheduled batch into sampled tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from hybridlb.config import EngineConfig
+from hybridlb.engine.request import Request
+from hybridlb.engine.sampler import Sampler
+from hybridlb.engine.scheduler import ScheduledChunk
+from hybridlb.model.attention import AttentionBatch, DecodeGroup, PrefillChunk
+from hybridlb.model.loader import load_model
+from hybridlb.model.spec import ModelSpec, load_spec
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(config: EngineConfig) -> torch.device:
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device: cuda was configured but torch sees no CUDA device; use device: cpu")
+    return torch.device(config.device)
+
+
+def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
+    if config.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[config.dtype]
+
+
+def resolve_max_model_len(config: EngineConfig, spec: ModelSpec) -> int:
+    if config.max_model_len is None:
+        return spec.max_position_embeddings
+    if config.max_model_len > spec.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings="
+            f"{spec.max_position_embeddings}; lower max_model_len"
+        )
+    return config.max_model_len
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, experts: range | None = None):
+        self.device = resolve_device(config)
+        self.dtype = resolve_dtype(config, self.device)
+        self.spec = load_spec(config.model)
+        self.max_model_len = resolve_max_model_len(config, self.spec)
+        self.block_size = config.block_size
+        self.model = load_model(config.model, self.spec, self.dtype, self.device, self.max_model_len, experts)
+        self.num_blocks = config.num_kv_blocks or self._blocks_for(config.kv_cache_gib)
+        if self.num_blocks * self.block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV cache ({self.num_blocks} blocks of {self.block_size}) cannot hold one sequence of "
+                f"max_model_len={self.max_model_len}; raise kv_cache_gib / num_kv_blocks or lower max_model_len"
+            )
+        self._allocate_cache()
+        self.sampler = Sampler(self.device, config.seed)
+
+    def _bytes_per_block(self) -> int:
+        per_token = 2 * self.spec.num_kv_heads * self.spec.head_dim * self.dtype.itemsize
+        return per_token * self.block_size * self.spec.num_layers
+
+    def _blocks_for(self, gib: float) -> int:
+        return max(1, int(gib * 2**30) // self._bytes_per_block())
+
+    def _allocate_cache(self) -> None:
+        shape = (self.num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
+        for attention in self.model.attention_layers():
+            attention.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            attention.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    @torch.inference_mode()
+    def run(self, chunks: list[ScheduledChunk]) -> list[int]:
+        """Compute every chunk; return one sampled token per chunk that samples, in order."""
+        # Decodes (one-token chunks) first, longest context first, so that decodes of
+        # similar length sit together and share a batched attention call.
+        decodes = sorted((c for c in chunks if c.num_tokens == 1), key=lambda c: -c.request.num_computed)
+        ordered = decodes + [c for c in chunks if c.num_tokens > 1]
+        input_ids, positions, batch, sample_rows = self._prepare(ordered, len(decodes))
+        hidden = self.model(input_ids, positions, batch)
+        samplers = [c for c in ordered if c.samples]
+        if not samplers:
+            return []
+        logits = self.model.logits(hidden[sample_rows])
+        tokens = dict(zip(map(id, samplers), self.sampler(logits, [c.request for c in samplers]), strict=True))
+        return [tokens[id(c)] for c in chunks if c.samples]
+
+    def _prepare(self, chunks: list[ScheduledChunk], num_decodes: int):
+        ids, positions, slots, sample_rows, prefills = [], [], [], [], []
+        for chunk in chunks:
+            request, start = chunk.request, chunk.request.num_computed
+            end = start + chunk.num_tokens
+            row = len(ids)
+            ids += request.token_ids[start:end]
+            positions += range(start, end)
+            slots += [self._slot(request, p) for p in range(start, end)]
+            if chunk.samples:
+                sample_rows.append(row + chunk.num_tokens - 1)
+            if chunk.num_tokens > 1:
+                prefills.append(self._prefill_chunk(request, row, start, end))
+        batch = AttentionBatch(
+            slot_mapping=self._tensor(slots),
+            decodes=self._decode_groups([c.request for c in chunks[:num_decodes]]),
+            prefills=prefills,
+        )
+        return self._tensor(ids), self._tensor(positions), batch, self._tensor(sample_rows)
+
+    def _decode_groups(self, requests: list[Request]) -> list[DecodeGroup]:
+        """Split decodes (sorted longest first) where padding to the group's longest
+        context would more than double the work."""
+        groups, start = [], 0
+        for row in range(1, len(requests) + 1):
+            if row == len(requests) or 2 * len(requests[row].block_ids) <= len(requests[start].block_ids):
+                groups.append(self._decode_group(requests[start:row], start))
+                start = row
+        return groups
+
+    def _decode_group(self, requests: list[Request], start: int) -> DecodeGroup:
+        width = len(requests[0].block_ids)
+        blocks = [b for r in requests for b in r.block_ids + [0] * (width - len(r.block_ids))]
+        keys = torch.arange(width * self.block_size, device=self.device)
+        lengths = self._tensor([r.num_computed + 1 for r in requests])
+        mask = (keys.unsqueeze(0) < lengths.unsqueeze(1)).view(len(requests), 1, 1, -1)
+        return DecodeGroup(start, start + len(requests), self._tensor(blocks), mask)
+
+    def _slot(self, request: Request, position: int) -> int:
+        return request.block_ids[position // self.block_size] * self.block_size + position % self.block_size
+
+    def _prefill_chunk(self, request: Request, row: int, start: int, end: int) -> PrefillChunk:
+        if start == 0:
+            return PrefillChunk(row, row + end, None, None)
+        num_blocks = -(-end // self.block_size)
+        keys = torch.arange(num_blocks * self.block_size, device=self.device)
+        queries = torch.arange(start, end, device=self.device)
+        mask = keys.unsqueeze(0) <= queries.unsqueeze(1)
+        return PrefillChunk(row, row + end - start, self._tensor(request.block_ids[:num_blocks]), mask)
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -1,0 +1,205 @@
+"""The engine process: a thin ZMQ shell around EngineCore.
+
+Threads:
+* the I/O thread owns the ROUTER socket (see ``hybridlb.protocol``). It decodes what
+  front ends send into the inbox queue, and forwards what the busy loop puts in the
+  outbox (an inproc socket) to the right front end.
+* the main thread runs the busy loop: drain the inbox (blocking only when there is no
+  work, so an idle engine sleeps), step the core, route outputs to their senders.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import queue
+import threading
+import uuid
+from dataclasses import dataclass
+
+import msgspec
+import torch
+import zmq
+
+from hybridlb import lifecycle
+from hybridlb.config import EngineConfig
+from hybridlb.engine.core import EngineCore
+from hybridlb.protocol import (
+    AbortRequests,
+    AddRequest,
+    EngineOutputs,
+    EngineReady,
+    EngineStats,
+    Hello,
+    RequestOutput,
+    encoder,
+    to_engine_decoder,
+)
+
+log = logging.getLogger(__name__)
+_STOP = object()
+
+
+class _IOThread(threading.Thread):
+    """Moves frames between the ROUTER socket and the busy loop's queues."""
+
+    def __init__(self, context: zmq.Context, address: str, outbox_address: str, inbox: queue.Queue):
+        super().__init__(name="engine-io", daemon=True)
+        self.router = context.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.router.bind(address)
+        self.outbox = context.socket(zmq.PULL)
+        self.outbox.bind(outbox_address)
+        self.inbox = inbox
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        poller.register(self.outbox, zmq.POLLIN)
+        while True:
+            ready = dict(poller.poll())
+            if self.outbox in ready:
+                frames = self.outbox.recv_multipart()
+                if not frames[0]:  # empty identity: stop
+                    break
+                self.router.send_multipart(frames)
+            if self.router in ready:
+                self._receive(self.router.recv_multipart())
+        self.router.close(linger=0)
+        self.outbox.close(linger=0)
+
+    def _receive(self, frames: list[bytes]) -> None:
+        if len(frames) != 2:
+            log.warning("dropped a message of %d frames (expected identity + payload)", len(frames))
+            return
+        identity, payload = frames
+        try:
+            self.inbox.put((identity, to_engine_decoder.decode(payload)))
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.warning("dropped a malformed message (%d bytes): %s", len(payload), exc)
+
+
+@dataclass
+class _Route:
+    """Who gets what this step: outputs per front end identity."""
+
+    by_client: dict[bytes, list[RequestOutput]]
+
+    def add(self, identity: bytes, output: RequestOutput) -> None:
+        self.by_client.setdefault(identity, []).append(output)
+
+
+class EngineServer:
+    def __init__(self, core: EngineCore, address: str):
+        self.core = core
+        self.context = zmq.Context()
+        self.inbox: queue.Queue = queue.Queue()
+        outbox_address = f"inproc://outbox-{uuid.uuid4().hex}"
+        self.io = _IOThread(self.context, address, outbox_address, self.inbox)
+        self.outbox = self.context.socket(zmq.PUSH)
+        self.outbox.setsockopt(zmq.LINGER, 0)
+        self.outbox.connect(outbox_address)
+        self.clients: set[bytes] = set()
+        self.owners: dict[str, bytes] = {}
+        self.last_stats: EngineStats | None = None
+        self.stopping = False
+
+    def stop(self) -> None:
+        """Signal-safe: ask the busy loop to exit.
+
+        The wake-up goes through another thread because a signal handler may run while
+        this thread holds the queue's lock.
+        """
+        self.stopping = True
+        threading.Thread(target=self.inbox.put, args=(_STOP,), daemon=True).start()
+
+    def serve_forever(self) -> None:
+        self.io.start()
+        try:
+            while not self.stopping:
+                route = _Route({})
+                self._drain(route, block=not self.core.has_work)
+                if self.core.has_work and not self.stopping:
+                    for output in self.core.step():
+                        self._route_output(route, output)
+                self._publish(route)
+        finally:
+            self.outbox.send_multipart([b"", b""])
+            self.io.join(timeout=2)
+            self.context.destroy(linger=0)
+
+    def _drain(self, route: _Route, block: bool) -> None:
+        try:
+            item = self.inbox.get(block=block)
+            while True:
+                if item is _STOP:
+                    self.stopping = True
+                    return
+                self._handle(route, *item)
+                item = self.inbox.get_nowait()
+        except queue.Empty:
+            pass
+
+    def _handle(self, route: _Route, identity: bytes, message) -> None:
+        if isinstance(message, AddRequest):
+            error = self.core.add_request(message.request_id, message.prompt_token_ids, message.params)
+            if error is None:
+                self.owners[message.request_id] = identity
+            else:  # straight back to the sender: a duplicate id must not take over the owner's route
+                route.add(identity, error)
+        elif isinstance(message, AbortRequests):
+            ids = [i for i in message.request_ids if self.owners.get(i) == identity]
+            for output in self.core.abort(ids):
+                self._route_output(route, output)
+        elif isinstance(message, Hello):
+            self.clients.add(identity)
+            self._send(identity, self._ready())
+
+    def _ready(self) -> EngineReady:
+        core = self.core
+        return EngineReady(
+            rank=core.rank, model=core.config.model, max_model_len=core.max_model_len,
+            vocab_size=core.vocab_size, num_kv_blocks=core.blocks.num_blocks,
+            block_size=core.blocks.block_size, eos_token_ids=sorted(core.eos_token_ids),
+        )
+
+    def _route_output(self, route: _Route, output: RequestOutput) -> None:
+        identity = self.owners.get(output.request_id)
+        if output.finish_reason is not None:
+            self.owners.pop(output.request_id, None)
+        if identity is not None:
+            route.add(identity, output)
+
+    def _publish(self, route: _Route) -> None:
+        stats = self.core.stats()
+        changed = stats != self.last_stats
+        self.last_stats = stats
+        for identity in self.clients if changed else route.by_client:
+            outputs = route.by_client.get(identity, [])
+            self._send(identity, EngineOutputs(self.core.rank, outputs, stats if changed else None))
+
+    def _send(self, identity: bytes, message) -> None:
+        self.outbox.send_multipart([identity, encoder.encode(message)])
+
+
+def run_engine(config: EngineConfig, rank: int, address: str, torch_threads: int,
+               errors: multiprocessing.connection.Connection | None = None) -> None:
+    """Entry point of an engine process: load the model, then serve until SIGTERM."""
+    title = f"hybridlb:engine:{rank}"
+    lifecycle.set_title(title)
+    lifecycle.configure_logging(title)
+    lifecycle.die_with_parent()
+    lifecycle.tune_allocator()
+    torch.set_num_threads(torch_threads)
+    try:
+        server = EngineServer(EngineCore(config, rank), address)
+    except Exception as exc:
+        log.error("engine %d failed to start: %s", rank, exc)
+        if errors is not None:
+            errors.send(f"{type(exc).__name__}: {exc}")
+        raise SystemExit(1) from None
+    lifecycle.on_terminate(server.stop)
+    log.info("engine %d serving at %s (%d KV blocks)", rank, address, server.core.blocks.num_blocks)
+    server.serve_forever()
+    log.info("engine %d stopped", rank)

@@ -1,0 +1,64 @@
+"""Turn the last-position logits of a batch into one token per request.
+
+Greedy rows take the argmax. Sampled rows apply temperature, top-k and top-p, then
+draw with the exponential-race trick (argmax of probs / Exp(1) noise), which lets each
+seeded request draw its noise from its own generator: a seeded request samples the
+same tokens whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridlb.engine.request import Request
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int):
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
+        tokens = logits.argmax(dim=-1)
+        sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
+        if sampled:
+            rows = torch.tensor(sampled, device=logits.device)
+            picked = [requests[i] for i in sampled]
+            tokens[rows] = self._sample(logits[rows], picked)
+        return tokens.tolist()
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        temperatures = torch.tensor([r.params.temperature for r in requests], device=logits.device)
+        logits = logits / temperatures.unsqueeze(1)
+        logits = _top_k(logits, [r.params.top_k for r in requests])
+        logits = _top_p(logits, [r.params.top_p for r in requests])
+        probs = torch.softmax(logits, dim=-1)
+        return (probs / self._noise(probs, requests)).argmax(dim=-1)
+
+    def _noise(self, probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        noise = torch.empty_like(probs)
+        for row, request in enumerate(requests):
+            noise[row].exponential_(generator=request.generator or self.generator)
+        return noise
+
+
+def _top_k(logits: torch.Tensor, ks: list[int]) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    if not any(0 < k < vocab for k in ks):
+        return logits
+    k = torch.tensor([k if 0 < k < vocab else vocab for k in ks], device=logits.device)
+    sorted_logits = logits.sort(dim=-1, descending=True).values
+    threshold = sorted_logits.gather(1, (k - 1).unsqueeze(1))
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def _top_p(logits: torch.Tensor, ps: list[float]) -> torch.Tensor:
+    if all(p >= 1.0 for p in ps):
+        return logits
+    p = torch.tensor(ps, device=logits.device).unsqueeze(1)
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    # Drop a token when the tokens ranked above it already reach p; the top one always stays.
+    drop = (probs.cumsum(dim=-1) - probs) >= p
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)

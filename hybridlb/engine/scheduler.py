@@ -1,0 +1,102 @@
+"""Continuous batching: which requests compute how many tokens in the next step.
+
+Every step has a token budget (``max_num_batched_tokens``). Running requests go
+first, oldest first: a decoding request takes one token, a request part-way through a
+long prompt takes the next chunk. Waiting requests are then admitted while budget,
+batch size and KV blocks allow, their prompt chunked to fit the remaining budget.
+When a running request needs a block and none is free, the newest running request is
+preempted: its blocks are freed and it goes back to the head of the waiting queue,
+to be recomputed from its tokens so far.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from hybridlb.engine.block_manager import BlockManager
+from hybridlb.engine.request import Request, Status
+
+
+@dataclass
+class ScheduledChunk:
+    request: Request
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the end of the known tokens, so a token is sampled."""
+        return self.request.num_computed + self.num_tokens == self.request.num_tokens
+
+
+class Scheduler:
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, block_manager: BlockManager):
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.blocks = block_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def schedule(self) -> list[ScheduledChunk]:
+        budget = self.max_num_batched_tokens
+        chunks, preempted = self._schedule_running(budget)
+        budget -= sum(c.num_tokens for c in chunks)
+        if not preempted:
+            chunks += self._admit_waiting(budget)
+        return chunks
+
+    def _schedule_running(self, budget: int) -> tuple[list[ScheduledChunk], bool]:
+        chunks: list[ScheduledChunk] = []
+        preempted = False
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_tokens = min(request.num_uncomputed, budget)
+            while not self.blocks.can_allocate(request, num_tokens):
+                self._preempt(self.running.pop())
+                preempted = True
+                if index == len(self.running):  # preempted the request itself
+                    return chunks, preempted
+            self.blocks.allocate(request, num_tokens)
+            chunks.append(ScheduledChunk(request, num_tokens))
+            budget -= num_tokens
+            index += 1
+        return chunks, preempted
+
+    def _admit_waiting(self, budget: int) -> list[ScheduledChunk]:
+        chunks = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            num_tokens = min(request.num_uncomputed, budget)
+            if not self.blocks.can_allocate(request, num_tokens):
+                break
+            self.waiting.popleft()
+            self.blocks.allocate(request, num_tokens)
+            request.status = Status.RUNNING
+            self.running.append(request)
+            chunks.append(ScheduledChunk(request, num_tokens))
+            budget -= num_tokens
+        return chunks
+
+    def _preempt(self, request: Request) -> None:
+        self.blocks.free(request)
+        request.reset_for_recompute()
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+
+    def finish(self, request: Request) -> None:
+        """Remove a finished or aborted request from whichever queue holds it."""
+        if request.status is Status.RUNNING:
+            self.running.remove(request)
+        elif request.status is Status.WAITING:
+            self.waiting.remove(request)
+        self.blocks.free(request)
+        request.status = Status.FINISHED

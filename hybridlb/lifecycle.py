@@ -1,0 +1,60 @@
+"""Process lifecycle helpers every hybridlb process uses: title, parent death, SIGTERM."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable
+
+import setproctitle
+
+_PR_SET_PDEATHSIG = 1
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+
+
+def set_title(title: str) -> None:
+    """Name this process (``hybridlb:engine:3``) so ps and top show the topology."""
+    setproctitle.setproctitle(title)
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGTERM this process when its parent dies, so nothing is orphaned."""
+    if sys.platform != "linux":
+        return
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def on_terminate(callback: Callable[[], None]) -> None:
+    """Run ``callback`` on SIGTERM and SIGINT (it must only set flags and wake loops)."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: callback())
+
+
+def tune_allocator() -> None:
+    """Keep freed memory in the heap instead of returning it to the OS.
+
+    A forward pass allocates large temporaries (gathered KV context, MLP activations).
+    By default glibc serves big ones with fresh mmaps and trims freed heap memory, so
+    every step pays page faults on the same sizes again; this measured 15-20% of
+    mixed-workload throughput on CPU.
+    """
+    if sys.platform != "linux":
+        return
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(_M_MMAP_THRESHOLD, 1 << 30)
+    libc.mallopt(_M_TRIM_THRESHOLD, (1 << 31) - 1)
+
+
+def configure_logging(name: str) -> None:
+    logging.basicConfig(
+        level=os.environ.get("HYBRIDLB_LOG_LEVEL", "INFO"),
+        format=f"%(asctime)s %(levelname)s [{name}] %(message)s",
+        datefmt="%H:%M:%S",
+    )

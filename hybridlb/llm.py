@@ -1,0 +1,75 @@
+"""Offline batch API: ``LLM(model_dir).generate(prompts, params)`` in this process."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from hybridlb import lifecycle
+from hybridlb.config import EngineConfig
+from hybridlb.engine.core import EngineCore
+from hybridlb.model.detokenizer import IncrementalDetokenizer
+from hybridlb.model.tokenizer import Tokenizer
+from hybridlb.protocol import SamplingParams
+
+
+@dataclass
+class CompletionOutput:
+    prompt_token_ids: list[int]
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class LLM:
+    """Runs an EngineCore in-process; ``engine_options`` are EngineConfig fields.
+
+    Like the engine process, it tunes this process's allocator (see
+    ``lifecycle.tune_allocator``) and, when ``torch_threads`` is set, torch's thread count.
+    """
+
+    def __init__(self, model: str, **engine_options):
+        lifecycle.tune_allocator()
+        self.config = EngineConfig(model=model, **engine_options)
+        if self.config.torch_threads:
+            torch.set_num_threads(self.config.torch_threads)
+        self.engine = EngineCore(self.config)
+        self.tokenizer = Tokenizer(model)
+        self._next_id = 0
+
+    def generate(self, prompts: str | list[str] | list[list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[CompletionOutput]:
+        """Generate for every prompt (text or token ids); results in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
+        live: dict[str, tuple[CompletionOutput, IncrementalDetokenizer]] = {}
+        results = []
+        for prompt, p in zip(prompts, params_list, strict=True):
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            result = CompletionOutput(prompt_token_ids=ids)
+            request_id = str(self._next_id)
+            self._next_id += 1
+            error = self.engine.add_request(request_id, ids, p)
+            if error is not None:
+                self.engine.abort(list(live))
+                raise ValueError(f"prompt {len(results)}: {error.error}")
+            live[request_id] = (result, IncrementalDetokenizer(self.tokenizer, ids, p.stop))
+            results.append(result)
+        while live:
+            for output in self.engine.step():
+                result, detok = live[output.request_id]
+                result.token_ids += output.new_token_ids
+                result.text += detok.push(output.new_token_ids)
+                if detok.stopped:
+                    self.engine.abort([output.request_id])
+                    result.finish_reason = "stop"
+                elif output.finish_reason is not None:
+                    result.text += detok.finish()
+                    result.finish_reason = output.finish_reason
+                if result.finish_reason is not None:
+                    del live[output.request_id]
+        return results

@@ -1,0 +1,1 @@
+"""Model package: checkpoint spec and loading, the torch decoder, tokenizer, make-model."""

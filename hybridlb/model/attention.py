@@ -1,0 +1,96 @@
+"""Paged attention over a block-structured KV cache, built on torch SDPA.
+
+A step's tokens are laid out flat: first one token per decoding sequence (longest
+context first), then each prefill chunk. Decodes of similar context length form a
+group that runs as one batched SDPA over its gathered, padded contexts; each prefill
+chunk runs on its own (a fresh prompt attends to itself with ``is_causal``, a later
+chunk to the cached context under an explicit mask).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class PrefillChunk:
+    start: int  # first row of the chunk in the flat token batch
+    end: int
+    context_blocks: torch.Tensor | None  # block ids covering the whole context; None: fresh prompt
+    mask: torch.Tensor | None  # [chunk, context] bool, True where a query may attend
+
+
+@dataclass
+class DecodeGroup:
+    start: int  # rows [start, end) of the flat batch, one token each
+    end: int
+    blocks: torch.Tensor  # [(end - start) * max_blocks] block ids, each row padded to max_blocks
+    mask: torch.Tensor  # [end - start, 1, 1, max_blocks * block_size] bool
+
+
+@dataclass
+class AttentionBatch:
+    """Where this step's tokens live in the KV cache and what each attends to."""
+
+    slot_mapping: torch.Tensor  # [N] cache slot (block * block_size + offset) of each new token
+    decodes: list[DecodeGroup]
+    prefills: list[PrefillChunk]
+
+
+class PagedAttention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim**-0.5
+        # [num_blocks, block_size, kv_heads, head_dim]; bound by the model runner.
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        """q [N, heads, dim], k/v [N, kv_heads, dim] → [N, heads, dim]."""
+        self._store(k, v, batch.slot_mapping)
+        out = torch.empty_like(q)
+        for group in batch.decodes:
+            out[group.start : group.end] = self._decode(q[group.start : group.end], group)
+        for chunk in batch.prefills:
+            out[chunk.start : chunk.end] = self._prefill(q, k, v, chunk)
+        return out
+
+    def _store(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        kv_shape = (-1, self.num_kv_heads, self.head_dim)
+        self.k_cache.view(kv_shape).index_copy_(0, slots, k)
+        self.v_cache.view(kv_shape).index_copy_(0, slots, v)
+
+    def _gather(self, cache: torch.Tensor, blocks: torch.Tensor, rows: int) -> torch.Tensor:
+        """Context of ``rows`` sequences as [rows, kv_heads, tokens, dim]."""
+        picked = cache.index_select(0, blocks)
+        return picked.view(rows, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+
+    def _decode(self, q: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
+        rows = q.shape[0]
+        keys = self._gather(self.k_cache, group.blocks, rows)
+        values = self._gather(self.v_cache, group.blocks, rows)
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2), keys, values, attn_mask=group.mask, scale=self.scale, enable_gqa=True
+        )
+        return out.squeeze(2)
+
+    def _prefill(self, q, k, v, chunk: PrefillChunk) -> torch.Tensor:
+        query = q[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
+        if chunk.context_blocks is None:
+            keys = k[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
+            values = v[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
+            out = F.scaled_dot_product_attention(
+                query, keys, values, is_causal=True, scale=self.scale, enable_gqa=True
+            )
+        else:
+            keys = self._gather(self.k_cache, chunk.context_blocks, 1)
+            values = self._gather(self.v_cache, chunk.context_blocks, 1)
+            out = F.scaled_dot_product_attention(
+                query, keys, values, attn_mask=chunk.mask, scale=self.scale, enable_gqa=True
+            )
+        return out[0].transpose(0, 1)

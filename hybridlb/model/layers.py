@@ -1,0 +1,144 @@
+"""Building blocks of the decoder: norm, rotary embedding, dense MLP and MoE block.
+
+Projections are stored fused (gate+up in one weight, experts stacked in one tensor)
+so a layer is a few large matmuls rather than many small ones; the loader fills them
+from the checkpoint's separate tensors.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Accumulate in float32 as the reference implementations do, whatever the dtype.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def _inverse_frequencies(head_dim: int, rope: dict) -> torch.Tensor:
+    inv_freq = 1.0 / (rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    if rope["rope_type"] == "linear":
+        return inv_freq / rope["factor"]
+    if rope["rope_type"] == "llama3":
+        return _llama3_scaled(inv_freq, rope)
+    return inv_freq
+
+
+def _llama3_scaled(inv_freq: torch.Tensor, rope: dict) -> torch.Tensor:
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old_len = rope["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    in_between = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+    return torch.where(in_between, blended, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half RoPE with a precomputed cos/sin table indexed by position."""
+
+    def __init__(self, head_dim: int, max_positions: int, rope: dict):
+        super().__init__()
+        self.head_dim, self.max_positions, self.rope = head_dim, max_positions, rope
+        self.register_buffer("cos", torch.empty(max_positions, head_dim), persistent=False)
+        self.register_buffer("sin", torch.empty(max_positions, head_dim), persistent=False)
+        if self.cos.device.type != "meta":
+            self.reset()
+
+    def reset(self) -> None:
+        """(Re)compute the tables in float32 on the buffers' device."""
+        inv_freq = _inverse_frequencies(self.head_dim, self.rope)
+        freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32), inv_freq)
+        angles = torch.cat((freqs, freqs), dim=-1)
+        self.cos = angles.cos().to(self.cos.device)
+        self.sin = angles.sin().to(self.sin.device)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_up = nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.down = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(silu_and_mul(self.gate_up(x)))
+
+
+class MoEBlock(nn.Module):
+    """Top-k routed experts; holds the experts ``expert_range`` of all ``num_experts``.
+
+    Routing follows both supported families: softmax over all experts in float32,
+    top-k, then renormalise the k weights when ``norm_topk_prob`` (always for Mixtral).
+    """
+
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int,
+                 norm_topk_prob: bool, expert_range: range | None = None):
+        super().__init__()
+        self.expert_range = expert_range or range(num_experts)
+        local = len(self.expert_range)
+        self.router = nn.Linear(hidden, num_experts, bias=False)
+        self.w_gate_up = nn.Parameter(torch.empty(local, 2 * intermediate, hidden))
+        self.w_down = nn.Parameter(torch.empty(local, hidden, intermediate))
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert ids [T, k] and their weights [T, k] (in x's dtype) for each token."""
+        probs = torch.softmax(self.router(x).float(), dim=-1)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return experts, weights.to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        experts, weights = self.route(x)
+        return self.run_experts(x, experts, weights)
+
+    def run_experts(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Sum of weight * expert(x) over the local experts each token was routed to."""
+        out = torch.zeros_like(x)
+        flat = experts.flatten()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        token_of = order // self.top_k
+        flat_weights = weights.flatten()
+        start = sum(counts[: self.expert_range.start])
+        for local, expert in enumerate(self.expert_range):
+            count = counts[expert]
+            if count == 0:
+                continue
+            picked = order[start : start + count]
+            rows = token_of[start : start + count]
+            hidden = silu_and_mul(x[rows] @ self.w_gate_up[local].T) @ self.w_down[local].T
+            out.index_add_(0, rows, hidden * flat_weights[picked].unsqueeze(-1))
+            start += count
+        return out

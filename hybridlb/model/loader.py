@@ -1,0 +1,157 @@
+"""Load a local Hugging Face checkpoint (single or sharded safetensors) into CausalLM.
+
+``checkpoint_layout`` says, for every parameter of our fused model, which checkpoint
+tensors fill it and the shape each must have; the loader checks every tensor against
+that before copying, so a bad checkpoint fails with the file, tensor and shape named.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from hybridlb.model.layers import RotaryEmbedding
+from hybridlb.model.spec import CheckpointError, ModelSpec
+from hybridlb.model.transformer import CausalLM
+
+
+@dataclass(frozen=True)
+class Source:
+    """Checkpoint tensors that make one parameter: concatenated along dim 0 and, when
+    ``stacked``, each group of ``per_item`` stacked along a new leading dim (experts)."""
+
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    stacked: bool = False
+    per_item: int = 1
+
+
+def _attention_sources(spec: ModelSpec, p: str) -> dict[str, Source]:
+    h, d = spec.hidden_size, spec.head_dim
+    q, kv = spec.num_heads * d, spec.num_kv_heads * d
+    projections = (f"{p}.self_attn.q_proj", f"{p}.self_attn.k_proj", f"{p}.self_attn.v_proj")
+    out = {
+        "self_attn.qkv.weight": Source(tuple(f"{n}.weight" for n in projections), ((q, h), (kv, h), (kv, h))),
+        "self_attn.o.weight": Source((f"{p}.self_attn.o_proj.weight",), ((h, q),)),
+    }
+    if spec.attention_bias:
+        out["self_attn.qkv.bias"] = Source(tuple(f"{n}.bias" for n in projections), ((q,), (kv,), (kv,)))
+    if spec.qk_norm:
+        out["self_attn.q_norm.weight"] = Source((f"{p}.self_attn.q_norm.weight",), ((d,),))
+        out["self_attn.k_norm.weight"] = Source((f"{p}.self_attn.k_norm.weight",), ((d,),))
+    return out
+
+
+def _mlp_sources(spec: ModelSpec, p: str, layer: int, experts: range) -> dict[str, Source]:
+    h = spec.hidden_size
+    if not spec.is_moe_layer(layer):
+        i = spec.intermediate_size
+        gate_up = (f"{p}.mlp.gate_proj.weight", f"{p}.mlp.up_proj.weight")
+        return {
+            "mlp.gate_up.weight": Source(gate_up, ((i, h), (i, h))),
+            "mlp.down.weight": Source((f"{p}.mlp.down_proj.weight",), ((h, i),)),
+        }
+    i = spec.moe_intermediate_size
+    if spec.family == "mixtral":
+        block, gate, up, down = f"{p}.block_sparse_moe", "w1", "w3", "w2"
+    else:
+        block, gate, up, down = f"{p}.mlp", "gate_proj", "up_proj", "down_proj"
+    gate_up = tuple(
+        f"{block}.experts.{e}.{proj}.weight" for e in experts for proj in (gate, up)
+    )
+    return {
+        "mlp.router.weight": Source((f"{block}.gate.weight",), ((spec.num_experts, h),)),
+        "mlp.w_gate_up": Source(gate_up, ((i, h),) * len(gate_up), stacked=True, per_item=2),
+        "mlp.w_down": Source(
+            tuple(f"{block}.experts.{e}.{down}.weight" for e in experts), ((h, i),) * len(experts), stacked=True
+        ),
+    }
+
+
+def checkpoint_layout(spec: ModelSpec, experts: range | None = None) -> dict[str, Source]:
+    """Parameter name of CausalLM → the checkpoint tensors it is built from."""
+    experts = experts or range(spec.num_experts)
+    h, v = spec.hidden_size, spec.vocab_size
+    layout = {"embed.weight": Source(("model.embed_tokens.weight",), ((v, h),))}
+    for layer in range(spec.num_layers):
+        p = f"model.layers.{layer}"
+        parts = {
+            "input_norm.weight": Source((f"{p}.input_layernorm.weight",), ((h,),)),
+            "post_attn_norm.weight": Source((f"{p}.post_attention_layernorm.weight",), ((h,),)),
+            **_attention_sources(spec, p),
+            **_mlp_sources(spec, p, layer, experts),
+        }
+        layout.update({f"layers.{layer}.{name}": source for name, source in parts.items()})
+    layout["norm.weight"] = Source(("model.norm.weight",), ((h,),))
+    if not spec.tie_word_embeddings:
+        layout["lm_head.weight"] = Source(("lm_head.weight",), ((v, h),))
+    return layout
+
+
+def tensor_files(model_dir: Path) -> dict[str, Path]:
+    """Name of every tensor in the checkpoint → the safetensors file holding it."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        for file in sorted(set(weight_map.values())):
+            if not (model_dir / file).is_file():
+                raise CheckpointError(f"{index} lists shard {file}, which is missing from {model_dir}")
+        return {name: model_dir / file for name, file in weight_map.items()}
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{model_dir} has no *.safetensors weights (nor model.safetensors.index.json)")
+    found = {}
+    for file in files:
+        with safe_open(file, framework="pt") as handle:
+            found.update(dict.fromkeys(handle.keys(), file))
+    return found
+
+
+class _TensorReader:
+    """Reads checkpoint tensors by name, checking presence and shape; keeps files open."""
+
+    def __init__(self, model_dir: Path):
+        self.model_dir = model_dir
+        self.files = tensor_files(model_dir)
+        self.handles: dict[Path, object] = {}
+
+    def read(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        file = self.files.get(name)
+        if file is None:
+            raise CheckpointError(f"{self.model_dir}: tensor {name} (shape {list(shape)}) is missing")
+        if file not in self.handles:
+            self.handles[file] = safe_open(file, framework="pt")
+        handle = self.handles[file]
+        got = tuple(handle.get_slice(name).get_shape())
+        if got != shape:
+            raise CheckpointError(f"{file}: tensor {name} has shape {list(got)}, expected {list(shape)}")
+        return handle.get_tensor(name)
+
+    def build(self, source: Source) -> torch.Tensor:
+        parts = [self.read(n, s) for n, s in zip(source.names, source.shapes, strict=True)]
+        if not source.stacked:
+            return torch.cat(parts) if len(parts) > 1 else parts[0]
+        items = [torch.cat(parts[i : i + source.per_item]) for i in range(0, len(parts), source.per_item)]
+        return torch.stack(items)
+
+
+def load_model(model_dir: str | Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
+               max_positions: int, experts: range | None = None) -> CausalLM:
+    """Build CausalLM on ``device`` and fill every parameter from the checkpoint."""
+    model_dir = Path(model_dir)
+    with torch.device("meta"):
+        model = CausalLM(spec, max_positions, experts)
+    model = model.to_empty(device=device).to(dtype)
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.reset()
+    layout = checkpoint_layout(spec, experts)
+    reader = _TensorReader(model_dir)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(reader.build(layout[name]))
+    return model.eval()

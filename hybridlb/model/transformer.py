@@ -1,0 +1,88 @@
+"""The decoder-only transformer shared by every supported architecture.
+
+Llama, Qwen2, Qwen3, Qwen3-MoE and Mixtral differ only in details the ModelSpec
+carries: q/k/v bias (Qwen2), per-head q/k RMSNorm (Qwen3), and which layers use a
+routed MoE block instead of a dense MLP.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybridlb.model.attention import AttentionBatch, PagedAttention
+from hybridlb.model.layers import DenseMLP, MoEBlock, RMSNorm, RotaryEmbedding
+from hybridlb.model.spec import ModelSpec
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        self.split = (q_size, kv_size, kv_size)
+        self.qkv = nn.Linear(spec.hidden_size, sum(self.split), bias=spec.attention_bias)
+        self.o = nn.Linear(q_size, spec.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.rotary = rotary
+        self.attn = PagedAttention(self.heads, self.kv_heads, self.head_dim)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        q, k, v = self.qkv(x).split(self.split, dim=-1)
+        q = q.view(-1, self.heads, self.head_dim)
+        k = k.view(-1, self.kv_heads, self.head_dim)
+        v = v.view(-1, self.kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.attn(q, k, v, batch)
+        return self.o(out.reshape(-1, self.heads * self.head_dim))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, layer: int, rotary: RotaryEmbedding, expert_range: range | None):
+        super().__init__()
+        self.input_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = SelfAttention(spec, rotary)
+        self.post_attn_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        if spec.is_moe_layer(layer):
+            self.mlp = MoEBlock(
+                spec.hidden_size, spec.moe_intermediate_size, spec.num_experts,
+                spec.num_experts_per_tok, spec.norm_topk_prob, expert_range,
+            )
+        else:
+            self.mlp = DenseMLP(spec.hidden_size, spec.intermediate_size)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        x = x + self.self_attn(self.input_norm(x), positions, batch)
+        return x + self.mlp(self.post_attn_norm(x))
+
+
+class CausalLM(nn.Module):
+    """Token ids in, hidden states out; ``logits`` projects only the rows that sample."""
+
+    def __init__(self, spec: ModelSpec, max_positions: int, expert_range: range | None = None):
+        super().__init__()
+        self.spec = spec
+        rotary = RotaryEmbedding(spec.head_dim, max_positions, spec.rope)
+        self.embed = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(spec, i, rotary, expert_range) for i in range(spec.num_layers)
+        )
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, batch)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in self.layers]

@@ -1,0 +1,127 @@
+"""Every message that crosses a process boundary, and the sockets that carry them.
+
+All messages are msgspec structs encoded as msgpack, one message per ZMQ frame
+(after the routing identity where the socket type adds one). Each struct carries a
+short ``type`` tag, so a socket decodes into the union of what it may receive and a
+malformed or unexpected frame is a clean ``msgspec.DecodeError`` / ``ValidationError``
+that the receiver logs and drops.
+
+Sockets
+-------
+
+Engine input/output — one per engine (one per data-parallel rank).
+    The engine **binds** a ROUTER socket at its address (``tcp://host:port`` or
+    ``ipc://path``); each front end (API server, offline client, test) **connects** a
+    DEALER socket with a unique identity. Both directions share the socket, so outputs
+    always go back to the front end that sent the request.
+
+    front end → engine : ``Hello``          register; the engine answers ``EngineReady``
+                                            once its model is loaded (readiness handshake)
+    front end → engine : ``AddRequest``     start generating for one request
+    front end → engine : ``AbortRequests``  stop requests, free their KV blocks; each
+                                            live one is answered with finish_reason "abort"
+    engine → front end : ``EngineReady``    answer to ``Hello``: rank, limits, eos ids
+    engine → front end : ``EngineOutputs``  after each step: new tokens and finishes for
+                                            this front end's requests, plus ``EngineStats``
+                                            whenever (running, waiting, KV usage) changed
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+FinishReason = str  # "stop" | "length" | "abort" | "error"
+
+
+class SamplingParams(msgspec.Struct, omit_defaults=True):
+    """How to sample one request; shared by the offline API, the HTTP server and the wire.
+
+    ``stop`` strings are applied where text exists (the detokenizer of the front end or
+    the offline API), which then aborts the request in the engine. The engine handles
+    token-level stops: eos, ``stop_token_ids``, ``max_tokens`` and the model length.
+    """
+
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = msgspec.field(default_factory=list)
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def problems(self) -> list[tuple[str, str]]:
+        """Every invalid field as (name, message); empty when the params are usable."""
+        found = []
+        if self.max_tokens is not None and self.max_tokens < 1:
+            found.append(("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}"))
+        if self.temperature < 0:
+            found.append(("temperature", f"temperature must be >= 0, got {self.temperature}"))
+        if not 0 < self.top_p <= 1:
+            found.append(("top_p", f"top_p must be in (0, 1], got {self.top_p}"))
+        if self.top_k < 0:
+            found.append(("top_k", f"top_k must be >= 0 (0 disables it), got {self.top_k}"))
+        if any(not s for s in self.stop):
+            found.append(("stop", "stop strings must not be empty"))
+        if any(t < 0 for t in self.stop_token_ids):
+            found.append(("stop_token_ids", "stop_token_ids must be non-negative"))
+        return found
+
+
+class Hello(msgspec.Struct, tag="hello"):
+    client_id: str
+
+
+class AddRequest(msgspec.Struct, tag="add"):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+class AbortRequests(msgspec.Struct, tag="abort"):
+    request_ids: list[str]
+
+
+class EngineReady(msgspec.Struct, tag="ready"):
+    rank: int
+    model: str
+    max_model_len: int
+    vocab_size: int
+    num_kv_blocks: int
+    block_size: int
+    eos_token_ids: list[int]
+
+
+class RequestOutput(msgspec.Struct, omit_defaults=True):
+    """New tokens of one request since its last output; ``finish_reason`` set on its last."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stop_token_id: int | None = None
+    error: str | None = None
+
+
+class EngineStats(msgspec.Struct):
+    rank: int
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+
+
+class EngineOutputs(msgspec.Struct, tag="outputs"):
+    rank: int
+    outputs: list[RequestOutput]
+    stats: EngineStats | None = None
+
+
+ToEngine = Hello | AddRequest | AbortRequests
+FromEngine = EngineReady | EngineOutputs
+
+encoder = msgspec.msgpack.Encoder()
+to_engine_decoder = msgspec.msgpack.Decoder(ToEngine)
+from_engine_decoder = msgspec.msgpack.Decoder(FromEngine)

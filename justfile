@@ -1,0 +1,25 @@
+# Developer tasks. `pip install -e '.[test]'` puts `just` in the venv.
+set shell := ["bash", "-euo", "pipefail", "-c"]
+
+venv := ".venv/bin"
+
+# Create the venv and install hybridlb with its test tools.
+setup:
+    python3 -m venv .venv
+    {{venv}}/pip install -q -e '.[test]'
+
+# Run the whole test suite (what CI runs).
+test *args:
+    {{venv}}/pytest -q {{args}}
+
+# Lint and check formatting-level issues.
+lint:
+    {{venv}}/ruff check .
+
+# Generate with the default tiny model.
+demo prompt="The weather today":
+    {{venv}}/hybridlb generate --config configs/local.yaml --prompt "{{prompt}}"
+
+# Offline engine throughput against transformers (writes benchmarks/results/engine_throughput.json).
+bench:
+    {{venv}}/python benchmarks/engine_throughput.py

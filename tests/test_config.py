@@ -1,0 +1,47 @@
+"""Config files: valid ones load, every bad one names the key and the fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridlb.config import ConfigError, load_config
+
+
+def _write(tmp_path, text: str):
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_loads_the_shipped_default():
+    config = load_config("configs/local.yaml")
+    assert config.engine.model == "models/tiny-qwen3"
+    assert config.engine.make_if_missing.arch == "qwen3"
+
+
+def test_unknown_key_is_named(tmp_path):
+    with pytest.raises(ConfigError, match=r"engine\.max_batch: unknown key"):
+        load_config(_write(tmp_path, "engine: {model: m, max_batch: 3}"))
+
+
+def test_bad_values_are_all_listed(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        load_config(_write(tmp_path, "engine: {model: m, max_num_seqs: 0, device: tpu}"))
+    assert "engine.max_num_seqs" in str(info.value) and "engine.device" in str(info.value)
+
+
+def test_malformed_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(_write(tmp_path, "engine: {model: [unclosed"))
+
+
+def test_missing_model_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match=r"engine\.model: Field required"):
+        load_config(_write(tmp_path, "engine: {max_num_seqs: 4}"))
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_config(tmp_path / "absent.yaml")
+
+
+def test_cache_smaller_than_one_sequence(tmp_path):
+    with pytest.raises(ConfigError, match="cannot hold one sequence"):
+        load_config(_write(tmp_path, "engine: {model: m, max_model_len: 256, num_kv_blocks: 4, block_size: 16}"))
