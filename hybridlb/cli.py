@@ -11,7 +11,9 @@ import typer
 
 from hybridlb.config import Config, ConfigError, EngineConfig, load_config, parse_config
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, pretty_exceptions_enable=False)
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmark clients.")
+app.add_typer(bench_app, name="bench")
 
 
 def _fail(message: str) -> None:
@@ -19,21 +21,26 @@ def _fail(message: str) -> None:
     raise typer.Exit(2)
 
 
-def build_config(config: Path | None, model: str | None, overrides: dict) -> Config:
-    """A Config from an optional YAML file, with ``--model`` and other flags on top."""
+def build_config(config: Path | None, model: str | None, overrides: dict[str, dict]) -> Config:
+    """A Config from an optional YAML file, with ``--model`` and other flags on top.
+
+    ``overrides`` maps a section name to the flag values for it; None means not given.
+    """
     try:
         data = load_config(config).model_dump(exclude_unset=True) if config else {}
     except ConfigError as exc:
         _fail(str(exc))
-    engine = dict(data.get("engine", {}))
+    sections = {name: dict(data.get(name, {})) for name in overrides}
+    sections.setdefault("engine", dict(data.get("engine", {})))
     if model is not None:
-        engine["model"] = model
-        engine.pop("make_if_missing", None)
-    engine.update({k: v for k, v in overrides.items() if v is not None})
-    if "model" not in engine:
+        sections["engine"]["model"] = model
+        sections["engine"].pop("make_if_missing", None)
+    for name, values in overrides.items():
+        sections[name].update({k: v for k, v in values.items() if v is not None})
+    if "model" not in sections["engine"]:
         _fail("no model given: pass --model DIR or --config FILE.yaml (try configs/local.yaml)")
     try:
-        return parse_config({**data, "engine": engine}, str(config or "flags"))
+        return parse_config({**data, **sections}, str(config or "flags"))
     except ConfigError as exc:
         _fail(str(exc))
 
@@ -93,7 +100,7 @@ def generate(
                             seed=seed, stop=stop or [], ignore_eos=ignore_eos)
     if problems := params.problems():
         _fail("; ".join(message for _, message in problems))
-    cfg = build_config(config, model, dict(max_model_len=max_model_len, device=device, dtype=dtype))
+    cfg = build_config(config, model, {"engine": dict(max_model_len=max_model_len, device=device, dtype=dtype)})
     try:
         ensure_checkpoint(cfg.engine)
         llm = LLM(**cfg.engine.model_dump(exclude={"make_if_missing"}))
@@ -106,6 +113,73 @@ def generate(
                                    "finish_reason": result.finish_reason}, ensure_ascii=False))
         else:
             typer.echo(f"{text}\x1b[1m{result.text}\x1b[0m" if sys.stdout.isatty() else text + result.text)
+
+
+@app.command()
+def serve(
+    model: Annotated[str | None, typer.Option(help="Checkpoint directory.")] = None,
+    config: Annotated[Path | None, typer.Option(help="YAML config; flags override it.")] = None,
+    host: Annotated[str | None, typer.Option(help="HTTP interface (default 127.0.0.1).")] = None,
+    port: Annotated[int | None, typer.Option(help="HTTP port (default 8000).")] = None,
+    served_model_name: Annotated[str | None, typer.Option(help="Name clients use (default: --model as given).")] = None,
+    api_key: Annotated[str | None, typer.Option(help="Require 'Authorization: Bearer KEY' on /v1.")] = None,
+    max_model_len: Annotated[int | None, typer.Option()] = None,
+    max_num_seqs: Annotated[int | None, typer.Option()] = None,
+    max_num_batched_tokens: Annotated[int | None, typer.Option()] = None,
+    kv_cache_gib: Annotated[float | None, typer.Option()] = None,
+    block_size: Annotated[int | None, typer.Option()] = None,
+    device: Annotated[str | None, typer.Option(help="cpu or cuda.")] = None,
+    dtype: Annotated[str | None, typer.Option(help="auto, float32, bfloat16 or float16.")] = None,
+    seed: Annotated[int | None, typer.Option()] = None,
+):
+    """Serve the OpenAI API on this node: its engines plus an API server, no Ray."""
+    from hybridlb.launch.serve import serve as serve_node
+
+    cfg = build_config(config, model, {
+        "engine": dict(max_model_len=max_model_len, max_num_seqs=max_num_seqs, device=device, dtype=dtype,
+                       max_num_batched_tokens=max_num_batched_tokens, kv_cache_gib=kv_cache_gib,
+                       block_size=block_size, seed=seed),
+        "api": dict(host=host, port=port, served_model_name=served_model_name, api_key=api_key),
+    })
+    ensure_checkpoint(cfg.engine)
+    raise typer.Exit(serve_node(cfg))
+
+
+@bench_app.command("serve")
+def bench_serve_command(
+    base_url: Annotated[str, typer.Option(help="Server root, e.g. http://127.0.0.1:8000.")] = "http://127.0.0.1:8000",
+    model: Annotated[str | None, typer.Option(help="Model name (default: the server's first).")] = None,
+    tokenizer: Annotated[str | None, typer.Option(help="Local tokenizer dir (default: --model if a dir).")] = None,
+    dataset_name: Annotated[str, typer.Option(help="Only 'random' for now.")] = "random",
+    random_input_len: Annotated[int, typer.Option(min=1)] = 1024,
+    random_output_len: Annotated[int, typer.Option(min=1)] = 128,
+    num_prompts: Annotated[int, typer.Option(min=1)] = 1000,
+    max_concurrency: Annotated[int | None, typer.Option(min=1)] = None,
+    request_rate: Annotated[float, typer.Option(help="Requests/s (Poisson); inf sends all at once.")] = float("inf"),
+    ignore_eos: Annotated[bool, typer.Option()] = False,
+    seed: Annotated[int, typer.Option()] = 0,
+    prompt_format: Annotated[str, typer.Option(help="ids (token-id prompts) or text.")] = "ids",
+    api_key: Annotated[str | None, typer.Option(envvar="HYBRIDLB_API_KEY")] = None,
+    save_result: Annotated[Path | None, typer.Option(help="Write the results as JSON here.")] = None,
+):
+    """Load an OpenAI-compatible server and print TTFT / TPOT / ITL / throughput."""
+    from hybridlb.bench.serve import BenchArgs, BenchError, bench_serve
+
+    if dataset_name != "random":
+        _fail(f"dataset {dataset_name!r} is not supported; use --dataset-name random")
+    if prompt_format not in ("ids", "text"):
+        _fail("--prompt-format must be ids or text")
+    args = BenchArgs(
+        base_url=base_url.rstrip("/"), model=model, tokenizer=tokenizer, dataset_name=dataset_name,
+        random_input_len=random_input_len, random_output_len=random_output_len, num_prompts=num_prompts,
+        max_concurrency=max_concurrency, request_rate=request_rate, ignore_eos=ignore_eos, seed=seed,
+        prompt_format=prompt_format, api_key=api_key, save_result=str(save_result) if save_result else None,
+    )
+    try:
+        summary = bench_serve(args)
+    except BenchError as exc:
+        _fail(str(exc))
+    raise typer.Exit(0 if summary["completed"] else 1)
 
 
 if __name__ == "__main__":

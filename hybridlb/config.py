@@ -74,10 +74,30 @@ class EngineConfig(_Section):
         return self
 
 
+class ApiConfig(_Section):
+    """The OpenAI-compatible HTTP server of each node."""
+
+    host: str = Field("127.0.0.1", description="Interface to listen on; 0.0.0.0 for all (loopback by default).")
+    port: int = Field(8000, ge=0, le=65535, description="HTTP port.")
+    served_model_name: str | None = Field(
+        None, description="Model name clients send; defaults to engine.model exactly as given."
+    )
+    api_key: str | None = Field(
+        None, description="Bearer token required on every /v1 route (also read from HYBRIDLB_API_KEY)."
+    )
+    max_body_bytes: int = Field(8 * 2**20, ge=1024, description="Larger request bodies get 413.")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("warning", description="HTTP server log level.")
+
+
 class Config(_Section):
     """The whole hybridlb configuration."""
 
     engine: EngineConfig = Field(description="Model and engine settings shared by every rank.")
+    api: ApiConfig = Field(default_factory=ApiConfig, description="HTTP API server settings.")
+
+    @property
+    def served_model_name(self) -> str:
+        return self.api.served_model_name or self.engine.model
 
 
 def _describe(error: ValidationError) -> str:

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible API server: one or more per node, over that node's engines."""

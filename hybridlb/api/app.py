@@ -1,0 +1,138 @@
+"""The FastAPI application of one API server."""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import os
+import time
+import uuid
+
+import zmq.asyncio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from hybridlb import __version__
+from hybridlb.api.completions import chat_job, completion_job, respond
+from hybridlb.api.engine_client import EngineConnection
+from hybridlb.api.errors import APIError, error_response, install_error_handlers
+from hybridlb.api.frontend import Frontend
+from hybridlb.api.metrics import Metrics
+from hybridlb.api.schemas import ChatCompletionRequest, CompletionRequest
+from hybridlb.config import Config
+from hybridlb.model.tokenizer import Tokenizer
+
+
+class RequestGuard:
+    """ASGI middleware: the API key on every /v1 route, and the request body size limit."""
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int):
+        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self._unauthorized(scope["path"], headers.get(b"authorization", b"")):
+            error = APIError(401, "missing or wrong API key; send 'Authorization: Bearer <key>'",
+                             code="invalid_api_key")
+            return await error_response(error)(scope, receive, send)
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            return await self._too_large(scope, receive, send)
+        received = 0
+
+        async def counted():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_body_bytes:
+                raise APIError(413, self._too_large_message())
+            return message
+
+        return await self.app(scope, counted, send)
+
+    def _unauthorized(self, path: str, authorization: bytes) -> bool:
+        if not self.api_key or not path.startswith("/v1"):
+            return False
+        return not hmac.compare_digest(authorization, f"Bearer {self.api_key}".encode())
+
+    def _too_large_message(self) -> str:
+        return f"request body larger than {self.max_body_bytes} bytes (api.max_body_bytes)"
+
+    async def _too_large(self, scope, receive, send):
+        return await error_response(APIError(413, self._too_large_message()))(scope, receive, send)
+
+
+def create_app(config: Config, engines: list[tuple[int, str]], node: int = 0) -> FastAPI:
+    """An API server over ``engines`` ((global rank, address) pairs of this node)."""
+    name = config.served_model_name
+    metrics = Metrics(name)
+    tokenizer = Tokenizer(config.engine.model)
+    state: dict[str, Frontend] = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        context = zmq.asyncio.Context()
+        client_id = f"api-{node}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        connections = [EngineConnection(rank, address, f"{client_id}-{rank}", context, metrics.update_stats)
+                       for rank, address in engines]
+        for connection in connections:
+            metrics.register_engine(connection.rank)
+            connection.start()
+        state["frontend"] = Frontend(connections, tokenizer, metrics)
+        yield
+        for connection in connections:
+            await connection.close()
+        context.term()
+
+    app = FastAPI(title="hybridlb", version=__version__, lifespan=lifespan)
+    install_error_handlers(app)
+    api_key = config.api.api_key or os.environ.get("HYBRIDLB_API_KEY")
+    app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=config.api.max_body_bytes)
+
+    def frontend_for(model: str) -> Frontend:
+        if model != name:
+            raise APIError(404, f"the model `{model}` does not exist; this server serves `{name}`",
+                           param="model", code="model_not_found")
+        frontend = state["frontend"]
+        if not frontend.ready:
+            raise APIError(503, "the engines of this node are not ready yet")
+        return frontend
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        frontend = frontend_for(body.model)
+        return await respond(request, frontend, completion_job(frontend, body), body.stream)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        frontend = frontend_for(body.model)
+        return await respond(request, frontend, chat_job(frontend, body), body.stream)
+
+    @app.get("/v1/models")
+    async def models():
+        frontend = state["frontend"]
+        limit = frontend.max_model_len if frontend.ready else None
+        card = {"id": name, "object": "model", "created": int(time.time()), "owned_by": "hybridlb",
+                "root": config.engine.model, "max_model_len": limit}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health():
+        frontend = state["frontend"]
+        if frontend.ready:
+            return JSONResponse({"status": "ok"})
+        down = [e.rank for e in frontend.engines if not e.alive]
+        return error_response(APIError(503, f"engines not ready: {down}"))
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    return app

@@ -1,0 +1,143 @@
+"""An API server's asyncio connection to one engine.
+
+The DEALER socket carries requests out and outputs back (``hybridlb.protocol``). A
+socket monitor watches the connection: when the engine process dies (or, across
+nodes, stops answering ZMTP heartbeats) every in-flight request of that engine fails
+at once instead of hanging, and the engine counts as down until it says ``EngineReady``
+again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import msgspec
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from hybridlb.protocol import (
+    AbortRequests,
+    AddRequest,
+    EngineOutputs,
+    EngineReady,
+    EngineStats,
+    Hello,
+    RequestOutput,
+    SamplingParams,
+    encoder,
+    from_engine_decoder,
+)
+
+log = logging.getLogger(__name__)
+_HEARTBEAT_MS = 1000
+_HEARTBEAT_TIMEOUT_MS = 5000
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine is not (or no longer) ready; requests on it fail with 503."""
+
+
+class EngineConnection:
+    def __init__(self, rank: int, address: str, client_id: str, context: zmq.asyncio.Context, on_stats=None):
+        self.rank = rank
+        self.address = address
+        self.client_id = client_id
+        self.socket = context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.IDENTITY, client_id.encode())
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_MS)
+        self.socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
+        self.monitor = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        self.socket.connect(address)
+        self.streams: dict[str, asyncio.Queue] = {}
+        self.info: EngineReady | None = None
+        self.alive = False
+        self.stats: EngineStats | None = None
+        self.on_stats = on_stats
+        self._ready = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+
+    def start(self) -> None:
+        self._send(Hello(self.client_id))
+        self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch())]
+
+    async def wait_ready(self, timeout_s: float) -> EngineReady:
+        await asyncio.wait_for(self._ready.wait(), timeout_s)
+        return self.info
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.streams)
+
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> asyncio.Queue:
+        """Send a request; its outputs (or an EngineUnavailable) arrive on the returned queue."""
+        if not self.alive:
+            raise EngineUnavailable(f"engine {self.rank} is not available")
+        queue: asyncio.Queue = asyncio.Queue()
+        self.streams[request_id] = queue
+        self._send(AddRequest(request_id, prompt_token_ids, params))
+        return queue
+
+    def release(self, request_id: str, abort: bool) -> None:
+        """Forget a request's stream; ``abort`` also stops it in the engine."""
+        self.streams.pop(request_id, None)
+        if abort and self.alive:
+            self._send(AbortRequests([request_id]))
+
+    def _send(self, message) -> None:
+        self.socket.send(encoder.encode(message), copy=False)
+
+    async def _read(self) -> None:
+        while True:
+            payload = await self.socket.recv(copy=False)
+            try:
+                message = from_engine_decoder.decode(payload.buffer)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                log.warning("engine %d sent a malformed message: %s", self.rank, exc)
+                continue
+            if isinstance(message, EngineOutputs):
+                self._dispatch(message.outputs)
+                if message.stats is not None:
+                    self.stats = message.stats
+                    if self.on_stats:
+                        self.on_stats(message.stats)
+            elif isinstance(message, EngineReady):
+                self.info, self.alive = message, True
+                self._ready.set()
+                log.info("engine %d ready at %s", self.rank, self.address)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            queue = self.streams.get(output.request_id)
+            if queue is not None:  # else: already released (stop string, disconnect)
+                queue.put_nowait(output)
+
+    async def _watch(self) -> None:
+        while True:
+            event = parse_monitor_message(await self.monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_DISCONNECTED and self.alive:
+                self._mark_down(f"engine {self.rank} disconnected")
+            elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED and self.info is not None and not self.alive:
+                self._send(Hello(self.client_id))  # a restarted engine: register again
+
+    def _mark_down(self, reason: str) -> None:
+        log.error("%s; failing its %d in-flight requests", reason, len(self.streams))
+        self.alive = False
+        self._ready.clear()
+        failure = EngineUnavailable(reason)
+        for queue in self.streams.values():
+            queue.put_nowait(failure)
+        self.streams.clear()
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self.socket.disable_monitor()
+        self.monitor.close(linger=0)
+        self.socket.close(linger=0)

@@ -1,0 +1,62 @@
+"""OpenAI-style errors: every failure leaves the server as
+``{"error": {"message", "type", "param", "code"}}`` with the right HTTP status."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    503: "service_unavailable_error",
+}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        kind = _TYPES.get(self.status, "internal_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+def error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    first = exc.errors()[0]
+    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    if first.get("type") == "json_invalid":
+        return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}", None
+    if not location and first.get("type") in ("model_attributes_type", "dict_type"):
+        return "the request body must be a JSON object (send Content-Type: application/json)", None
+    param = ".".join(location) or None
+    return (f"{param}: {first['msg']}" if param else first["msg"]), param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError):
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError):
+        message, param = _validation_message(exc)
+        return error_response(APIError(400, message, param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 404:
+            message = f"no route {request.method} {request.url.path}"
+        else:
+            message = str(exc.detail)
+        return error_response(APIError(exc.status_code, message))

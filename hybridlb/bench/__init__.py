@@ -1,0 +1,1 @@
+"""Benchmark clients shipped with hybridlb (``hybridlb bench ...``)."""

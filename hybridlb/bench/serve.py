@@ -1,0 +1,233 @@
+"""``hybridlb bench serve``: load any OpenAI-compatible server, report like ``vllm bench serve``.
+
+Random dataset: each prompt is ``random_input_len`` token ids drawn from the model's
+vocabulary (sent as a token-id prompt, which hybridlb and vLLM accept; ``--prompt-format
+text`` decodes them to text instead, for servers that take text only). Requests stream
+with ``stream_options.include_usage`` so output token counts come from the server.
+TTFT is the time to the first chunk with text, ITL the gaps between later chunks, TPOT
+(e2e - TTFT) / (output tokens - 1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+
+import httpx
+
+
+class BenchError(RuntimeError):
+    """The benchmark cannot run (server unreachable, bad arguments)."""
+
+
+@dataclass
+class BenchArgs:
+    base_url: str = "http://127.0.0.1:8000"
+    model: str | None = None
+    tokenizer: str | None = None
+    dataset_name: str = "random"
+    random_input_len: int = 1024
+    random_output_len: int = 128
+    num_prompts: int = 1000
+    max_concurrency: int | None = None
+    request_rate: float = float("inf")
+    ignore_eos: bool = False
+    seed: int = 0
+    prompt_format: str = "ids"
+    api_key: str | None = None
+    save_result: str | None = None
+    progress: bool = True
+
+
+@dataclass
+class RequestResult:
+    ok: bool = False
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itls: list[float] = field(default_factory=list)
+    chunk_times: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+def make_prompts(args: BenchArgs, vocab_size: int, decode=None) -> list[list[int] | str]:
+    rng = random.Random(args.seed)
+    prompts: list[list[int] | str] = []
+    for _ in range(args.num_prompts):
+        ids = [rng.randrange(vocab_size) for _ in range(args.random_input_len)]
+        prompts.append(decode(ids) if args.prompt_format == "text" and decode else ids)
+    return prompts
+
+
+async def _one(client: httpx.AsyncClient, args: BenchArgs, prompt, start_of_run: float) -> RequestResult:
+    body = {"model": args.model, "prompt": prompt, "max_tokens": args.random_output_len, "stream": True,
+            "stream_options": {"include_usage": True}, "temperature": 0.0, "ignore_eos": args.ignore_eos}
+    result = RequestResult(prompt_tokens=len(prompt) if isinstance(prompt, list) else 0)
+    sent = time.perf_counter()
+    last = None
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    result.error = chunk["error"].get("message", "error")
+                    return result
+                now = time.perf_counter()
+                if chunk.get("usage"):
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+                    result.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                if any(c.get("text") for c in chunk.get("choices", [])):
+                    if last is None:
+                        result.ttft = now - sent
+                    else:
+                        result.itls.append(now - last)
+                    last = now
+                    result.chunk_times.append(now - start_of_run)
+        result.e2e = time.perf_counter() - sent
+        result.ok = result.output_tokens > 0
+        if not result.ok:
+            result.error = "no usage in the stream"
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    return result
+
+
+def _intervals(rate: float, count: int, seed: int) -> list[float]:
+    if rate == float("inf"):
+        return [0.0] * count
+    rng = random.Random(seed)
+    return [rng.expovariate(rate) for _ in range(count)]
+
+
+async def run_benchmark(args: BenchArgs, prompts: list) -> tuple[list[RequestResult], float]:
+    limit = args.max_concurrency or len(prompts)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
+    semaphore = asyncio.Semaphore(limit)
+    done = 0
+
+    async def guarded(prompt) -> RequestResult:
+        nonlocal done
+        async with semaphore:
+            result = await _one(client, args, prompt, start)
+        done += 1
+        if args.progress:
+            print(f"\r{done}/{len(prompts)} requests", end="", file=sys.stderr, flush=True)
+        return result
+
+    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, limits=limits,
+                                 timeout=httpx.Timeout(None, connect=30)) as client:
+        start = time.perf_counter()
+        tasks = []
+        for prompt, gap in zip(prompts, _intervals(args.request_rate, len(prompts), args.seed), strict=True):
+            if gap:
+                await asyncio.sleep(gap)
+            tasks.append(asyncio.create_task(guarded(prompt)))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    if args.progress:
+        print(file=sys.stderr)
+    return results, duration
+
+
+def _ms(values: list[float], stat: str) -> float:
+    if not values:
+        return 0.0
+    if stat == "mean":
+        return statistics.fmean(values) * 1000
+    if stat == "median":
+        return statistics.median(values) * 1000
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))] * 1000
+
+
+def summarize(args: BenchArgs, results: list[RequestResult], duration: float) -> dict:
+    good = [r for r in results if r.ok]
+    output = sum(r.output_tokens for r in good)
+    prompt = sum(r.prompt_tokens for r in good)
+    per_second: dict[int, int] = {}
+    for r in good:
+        for t in r.chunk_times:
+            per_second[int(t)] = per_second.get(int(t), 0) + 1
+    ttfts = [r.ttft for r in good]
+    tpots = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in good if r.output_tokens > 1]
+    itls = [gap for r in good for gap in r.itls]
+    summary = {
+        "date": datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": "openai", "base_url": args.base_url,
+        "model_id": args.model, "num_prompts": len(results), "request_rate": args.request_rate,
+        "max_concurrency": args.max_concurrency, "duration": duration, "completed": len(good),
+        "failed": len(results) - len(good), "total_input_tokens": prompt, "total_output_tokens": output,
+        "request_throughput": len(good) / duration, "output_throughput": output / duration,
+        "total_token_throughput": (prompt + output) / duration,
+        "max_output_tokens_per_s": max(per_second.values(), default=0),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+    }
+    for name, values in (("ttft", ttfts), ("tpot", tpots), ("itl", itls)):
+        for stat in ("mean", "median", "p99"):
+            summary[f"{stat}_{name}_ms"] = _ms(values, stat)
+    return summary
+
+
+def print_summary(s: dict) -> None:
+    rows = [
+        ("Successful requests:", s["completed"]), ("Failed requests:", s["failed"]),
+        ("Maximum request concurrency:", s["max_concurrency"]),
+        ("Benchmark duration (s):", f"{s['duration']:.2f}"),
+        ("Total input tokens:", s["total_input_tokens"]), ("Total generated tokens:", s["total_output_tokens"]),
+        ("Request throughput (req/s):", f"{s['request_throughput']:.2f}"),
+        ("Output token throughput (tok/s):", f"{s['output_throughput']:.2f}"),
+        ("Peak output token throughput (tok/s):", f"{s['max_output_tokens_per_s']:.2f}"),
+        ("Total Token throughput (tok/s):", f"{s['total_token_throughput']:.2f}"),
+    ]
+    print(f"{' Serving Benchmark Result ':=^50}")
+    for label, value in rows:
+        print(f"{label:<40}{value!s:<10}")
+    for name, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
+                        ("itl", "Inter-token Latency")):
+        print(f"{title:-^50}")
+        for stat, label in (("mean", "Mean"), ("median", "Median"), ("p99", "P99")):
+            print(f"{f'{label} {name.upper()} (ms):':<40}{s[f'{stat}_{name}_ms']:<10.2f}")
+    print("=" * 50)
+    for error in s["errors"]:
+        print(f"error: {error}")
+
+
+def bench_serve(args: BenchArgs) -> dict:
+    """Run the benchmark end to end; print the table, save JSON if asked, return the summary."""
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    if args.model is None:
+        try:
+            models = httpx.get(f"{args.base_url}/v1/models", headers=headers, timeout=30)
+            models.raise_for_status()
+        except httpx.HTTPError as exc:
+            raise BenchError(f"cannot list models at {args.base_url}/v1/models: {exc}; is the server up?") from None
+        args.model = models.json()["data"][0]["id"]
+    vocab_size, decode = 1000, None
+    tokenizer_dir = args.tokenizer or args.model
+    try:
+        from hybridlb.model.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer(tokenizer_dir)
+        vocab_size, decode = tokenizer.vocab_size, tokenizer.decode
+    except Exception:
+        print(f"note: no tokenizer at {tokenizer_dir!r}; random ids below {vocab_size}", file=sys.stderr)
+    prompts = make_prompts(args, vocab_size, decode)
+    results, duration = asyncio.run(run_benchmark(args, prompts))
+    summary = summarize(args, results, duration)
+    print_summary(summary)
+    if args.save_result:
+        with open(args.save_result, "w") as f:
+            json.dump({**summary, "args": {k: v for k, v in asdict(args).items() if k != "api_key"}}, f, indent=2)
+    return summary

@@ -1,0 +1,83 @@
+"""Every bad input gets its status and an OpenAI error body; the server keeps serving."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+BAD_COMPLETIONS = [
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": -3}, "max_tokens"),
+    ({"max_tokens": "many"}, "max_tokens"),
+    ({"temperature": -0.5}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -1}, "top_k"),
+    ({"n": 2}, "n"),
+    ({"max_tokens": 500, "prompt": "word " * 100}, "max_tokens"),
+    ({"prompt": [99999]}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"logprobs": 3}, "logprobs"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+]
+
+
+def _error(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    return error
+
+
+def _good(server) -> None:
+    body = {"model": server.model, "prompt": "GPU", "max_tokens": 3}
+    assert httpx.post(f"{server.url}/v1/completions", json=body).status_code == 200
+
+
+@pytest.mark.parametrize(("change", "param"), BAD_COMPLETIONS)
+def test_invalid_completion_parameters_get_400(server, change, param):
+    body = {"model": server.model, "prompt": "GPU", "max_tokens": 4, **change}
+    error = _error(httpx.post(f"{server.url}/v1/completions", json=body), 400)
+    assert error["param"] == param or param in error["message"]
+    _good(server)
+
+
+def test_chat_errors(server):
+    url = f"{server.url}/v1/chat/completions"
+    error = _error(httpx.post(url, json={"model": server.model, "messages": []}), 400)
+    assert "messages" in error["message"]
+    _error(httpx.post(url, json={"model": server.model, "messages": [{"role": "wizard", "content": "x"}]}), 400)
+    _good(server)
+
+
+def test_malformed_json_and_non_object_bodies(server):
+    url = f"{server.url}/v1/completions"
+    error = _error(httpx.post(url, content=b'{"model": ', headers={"content-type": "application/json"}), 400)
+    assert "not valid JSON" in error["message"]
+    _error(httpx.post(url, content=b"[1, 2]", headers={"content-type": "application/json"}), 400)
+    _good(server)
+
+
+def test_unknown_model_and_route_get_404(server):
+    error = _error(httpx.post(f"{server.url}/v1/completions", json={"model": "gpt-9", "prompt": "x"}), 404)
+    assert error["code"] == "model_not_found" and server.model in error["message"]
+    _error(httpx.get(f"{server.url}/v1/nothing"), 404)
+    _error(httpx.get(f"{server.url}/v1/completions"), 405)
+    _good(server)
+
+
+def test_oversized_body_gets_413(server):
+    body = b'{"model": "x", "prompt": "' + b"a" * (9 * 2**20) + b'"}'
+    _error(httpx.post(f"{server.url}/v1/completions", content=body,
+                      headers={"content-type": "application/json"}), 413)
+    _good(server)
+
+
+def test_pinned_rank_must_be_local(server):
+    body = {"model": server.model, "prompt": "GPU", "max_tokens": 2}
+    error = _error(httpx.post(f"{server.url}/v1/completions", json=body, headers={"X-data-parallel-rank": "3"}), 400)
+    assert "ranks 0" in error["message"]
+    _error(httpx.post(f"{server.url}/v1/completions", json=body, headers={"X-data-parallel-rank": "x"}), 400)
+    ok = httpx.post(f"{server.url}/v1/completions", json=body, headers={"X-data-parallel-rank": "0"})
+    assert ok.status_code == 200

@@ -1,0 +1,87 @@
+"""API key, a killed engine, and stopping the server: each with its own server."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.api.conftest import start_server
+
+
+def test_api_key_guards_every_v1_route(tiny_qwen3):
+    server = start_server(tiny_qwen3, "--api-key", "s3cret")
+    try:
+        body = {"model": server.model, "prompt": "GPU", "max_tokens": 2}
+        for response in (httpx.post(f"{server.url}/v1/completions", json=body),
+                         httpx.get(f"{server.url}/v1/models"),
+                         httpx.get(f"{server.url}/v1/models", headers={"Authorization": "Bearer wrong"})):
+            assert response.status_code == 401
+            assert response.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(f"{server.url}/health").status_code == 200
+        ok = httpx.post(f"{server.url}/v1/completions", json=body, headers={"Authorization": "Bearer s3cret"})
+        assert ok.status_code == 200
+    finally:
+        assert server.stop() == 0
+
+
+def test_killed_engine_fails_requests_fast_and_health_reports_it(tiny_qwen3):
+    server = start_server(tiny_qwen3)
+    try:
+        engine_pid = server.children()["hybridlb:engine:0"]
+
+        async def stream_until_killed() -> list[str]:
+            body = {"model": server.model, "prompt": "Long story", "max_tokens": 480, "stream": True,
+                    "ignore_eos": True, "temperature": 0}
+            lines = []
+            async with httpx.AsyncClient(base_url=server.url, timeout=30) as client, \
+                    client.stream("POST", "/v1/completions", json=body) as response:
+                async for line in response.aiter_lines():
+                    if not line:
+                        continue
+                    if len(lines) == 2:
+                        os.kill(engine_pid, signal.SIGKILL)
+                    lines.append(line)
+            return lines
+
+        started = time.monotonic()
+        lines = asyncio.run(stream_until_killed())
+        assert time.monotonic() - started < 10
+        assert any('"error"' in line and "engine 0" in line for line in lines)
+        assert lines[-1] == "data: [DONE]"
+        health = httpx.get(f"{server.url}/health")
+        assert health.status_code == 503 and "0" in health.json()["error"]["message"]
+        body = {"model": server.model, "prompt": "GPU", "max_tokens": 2}
+        response = httpx.post(f"{server.url}/v1/completions", json=body)
+        assert response.status_code == 503
+        assert response.json()["error"]["type"] == "service_unavailable_error"
+        assert httpx.get(f"{server.url}/version").status_code == 200
+    finally:
+        server.stop()
+
+
+def test_sigterm_stops_the_whole_tree(tiny_qwen3):
+    server = start_server(tiny_qwen3)
+    children = server.children()
+    ours = {title for title in children if title.startswith("hybridlb:")}
+    assert ours == {"hybridlb:engine:0", "hybridlb:api:0"}
+    # The only other child is multiprocessing's resource tracker (spawn starts it).
+    assert all("resource_tracker" in title for title in set(children) - ours)
+    assert Path(f"/proc/{server.process.pid}/cmdline").read_bytes().startswith(b"hybridlb:serve")
+    assert server.stop() == 0
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(_running(pid) for pid in children.values()):
+        time.sleep(0.2)
+    assert not any(_running(pid) for pid in children.values())
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie waiting for init to reap it."""
+    try:
+        return "Z (zombie)" not in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
