@@ -74,11 +74,11 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def start_node(model: str, port: int):
+def start_node(model: str, port: int, threads: int):
     runtime = tempfile.mkdtemp(prefix="hybridlb-bench-")
     config = Config(engine=EngineConfig(model=model, max_model_len=1024, kv_cache_gib=1.0),
                     api=ApiConfig(port=port, served_model_name="bench"))
-    engine = start_engine(config.engine, 0, f"ipc://{runtime}/engine-0", torch_threads=os.cpu_count() or 1)
+    engine = start_engine(config.engine, 0, f"ipc://{runtime}/engine-0", torch_threads=threads)
     wait_until_ready([engine])
     api = multiprocessing.get_context("spawn").Process(target=run_api_server, args=(config, [(0, engine.address)]))
     api.start()
@@ -93,7 +93,7 @@ def start_node(model: str, port: int):
 
 
 def overhead_phase(model: str, args) -> dict:
-    engine, api, url = start_node(model, free_port())
+    engine, api, url = start_node(model, free_port(), args.engine_threads)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 1000) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
     bench = BenchArgs(base_url=url, model="bench", random_input_len=args.input_len,
@@ -115,8 +115,8 @@ def overhead_phase(model: str, args) -> dict:
     return {"http_tok_s": rows["http"], "direct_tok_s": rows["direct"], "ratio_best": http / raw}
 
 
-def chunk_rate_phase(model: str, concurrency: int, num_prompts: int) -> dict:
-    engine, api, url = start_node(model, free_port())
+def chunk_rate_phase(model: str, concurrency: int, num_prompts: int, threads: int) -> dict:
+    engine, api, url = start_node(model, free_port(), threads)
     bench = BenchArgs(base_url=url, model="bench", random_input_len=8, random_output_len=64,
                       num_prompts=num_prompts, max_concurrency=concurrency, ignore_eos=True, progress=False)
     prompts = [[5 + i % 50] * 8 for i in range(num_prompts)]
@@ -140,6 +140,8 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=128)
     parser.add_argument("--input-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--engine-threads", type=int, default=os.cpu_count() or 1,
+                        help="torch threads of the engine (default: every core, as serve gives one engine)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/api_overhead.json"))
     args = parser.parse_args()
     models = {}
@@ -149,7 +151,7 @@ def main() -> None:
             make_model("qwen3", size, path)
         models[size] = str(path)
     overhead = overhead_phase(models[args.size], args)
-    chunks = chunk_rate_phase(models["tiny"], concurrency=256, num_prompts=512)
+    chunks = chunk_rate_phase(models["tiny"], concurrency=256, num_prompts=512, threads=args.engine_threads)
     print(f"\n{'path':<28}{'output tok/s (2 runs)':>28}")
     print(f"{'HTTP + API server':<28}{', '.join(f'{v:.0f}' for v in overhead['http_tok_s']):>28}")
     print(f"{'direct to engine (ZMQ)':<28}{', '.join(f'{v:.0f}' for v in overhead['direct_tok_s']):>28}")
@@ -159,6 +161,7 @@ def main() -> None:
           f"(tiny model), API server CPU {chunks['api_server_cpu']:.0%} of a core")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"size": args.size, "concurrency": args.concurrency,
+                                    "engine_threads": args.engine_threads,
                                     "overhead": overhead, "chunk_rate": chunks}, indent=2))
     print(f"wrote {args.out}")
 

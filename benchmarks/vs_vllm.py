@@ -90,9 +90,13 @@ class Server:
 
 def run_workloads(server: Server, tokenizer: Tokenizer, num_prompts: int) -> list[dict]:
     rows = []
-    warm = BenchArgs(base_url=server.url, model=server.model, random_input_len=16, random_output_len=8,
-                     num_prompts=8, ignore_eos=True, progress=False)
-    asyncio.run(run_benchmark(warm, make_prompts(warm, tokenizer.vocab_size)))
+    # Warm every shape first: vLLM compiles graphs per batch size on first use, and that
+    # must not count against it (nor hybridlb's first-touch allocations against us).
+    for input_len, output_len, concurrency in WORKLOADS:
+        warm = BenchArgs(base_url=server.url, model=server.model, random_input_len=input_len,
+                         random_output_len=output_len, num_prompts=2 * concurrency, max_concurrency=concurrency,
+                         ignore_eos=True, progress=False, seed=99)
+        asyncio.run(run_benchmark(warm, make_prompts(warm, tokenizer.vocab_size)))
     for input_len, output_len, concurrency in WORKLOADS:
         args = BenchArgs(base_url=server.url, model=server.model, random_input_len=input_len,
                          random_output_len=output_len, num_prompts=num_prompts, max_concurrency=concurrency,

@@ -115,6 +115,56 @@ def generate(
             typer.echo(f"{text}\x1b[1m{result.text}\x1b[0m" if sys.stdout.isatty() else text + result.text)
 
 
+DpSize = Annotated[int | None, typer.Option("--data-parallel-size", "-dp", help="Ranks in the whole cluster.")]
+DpSizeLocal = Annotated[int | None, typer.Option("--data-parallel-size-local", help="Ranks on this node.")]
+DpStartRank = Annotated[int | None, typer.Option("--data-parallel-start-rank", help="This node's first rank.")]
+DpRank = Annotated[int | None, typer.Option("--data-parallel-rank", help="External LB: serve only this rank.")]
+DpAddress = Annotated[str | None, typer.Option("--data-parallel-address", help="The head node's address.")]
+DpRpcPort = Annotated[int | None, typer.Option("--data-parallel-rpc-port", help="The head's handshake port.")]
+DpNodeAddress = Annotated[str | None, typer.Option("--data-parallel-node-address",
+                                                   help="This node's address for other nodes (internal LB).")]
+Headless = Annotated[bool | None, typer.Option("--headless/--no-headless", help="Engines only, no API server.")]
+LbMode = Annotated[str | None, typer.Option("--lb-mode", help="hybrid (default), internal or external.")]
+ApiServers = Annotated[str | None, typer.Option("--api-servers-per-node", help="N or auto.")]
+ClusterToken = Annotated[str | None, typer.Option("--cluster-token", envvar="HYBRIDLB_CLUSTER_TOKEN",
+                                                  help="Shared secret for joining the cluster.")]
+
+
+def _parallel_overrides(size, size_local, start_rank, rank, address, rpc_port, node_address, headless, lb_mode,
+                        api_servers, cluster_token) -> dict[str, dict]:
+    servers = api_servers if api_servers in (None, "auto") else _int_flag("--api-servers-per-node", api_servers)
+    return {
+        "data_parallel": dict(size=size, size_local=size_local, start_rank=start_rank, rank=rank, address=address,
+                              rpc_port=rpc_port, node_address=node_address, headless=headless,
+                              cluster_token=cluster_token),
+        "lb": dict(mode=lb_mode, api_servers_per_node=servers),
+    }
+
+
+def _int_flag(name: str, value: str) -> int:
+    if not value.isdigit():
+        _fail(f"{name} takes a number or 'auto', got {value!r}")
+    return int(value)
+
+
+def _plan(cfg: Config):
+    """The cluster plan and this node's part of it, or a clean exit listing every problem."""
+    from hybridlb.model.spec import CheckpointError, load_spec
+    from hybridlb.plan import PlanError, plan_cluster
+
+    try:
+        is_moe = load_spec(cfg.engine.model).is_moe
+    except CheckpointError:
+        is_moe = False  # `plan` may run where the checkpoint is not
+    try:
+        plan = plan_cluster(cfg, is_moe)
+    except PlanError as exc:
+        _fail(str(exc))
+    start = cfg.data_parallel.rank if cfg.data_parallel.rank is not None else cfg.data_parallel.start_rank
+    node = next((n for n in plan.nodes if n.start_rank == start), plan.nodes[0])
+    return plan, node
+
+
 @app.command()
 def serve(
     model: Annotated[str | None, typer.Option(help="Checkpoint directory.")] = None,
@@ -131,8 +181,19 @@ def serve(
     device: Annotated[str | None, typer.Option(help="cpu or cuda.")] = None,
     dtype: Annotated[str | None, typer.Option(help="auto, float32, bfloat16 or float16.")] = None,
     seed: Annotated[int | None, typer.Option()] = None,
+    data_parallel_size: DpSize = None,
+    data_parallel_size_local: DpSizeLocal = None,
+    data_parallel_start_rank: DpStartRank = None,
+    data_parallel_rank: DpRank = None,
+    data_parallel_address: DpAddress = None,
+    data_parallel_rpc_port: DpRpcPort = None,
+    data_parallel_node_address: DpNodeAddress = None,
+    headless: Headless = None,
+    lb_mode: LbMode = None,
+    api_servers_per_node: ApiServers = None,
+    cluster_token: ClusterToken = None,
 ):
-    """Serve the OpenAI API on this node: its engines plus an API server, no Ray."""
+    """Serve the OpenAI API from this node: its engines and API servers, no Ray."""
     from hybridlb.launch.serve import serve as serve_node
 
     cfg = build_config(config, model, {
@@ -140,9 +201,43 @@ def serve(
                        max_num_batched_tokens=max_num_batched_tokens, kv_cache_gib=kv_cache_gib,
                        block_size=block_size, seed=seed),
         "api": dict(host=host, port=port, served_model_name=served_model_name, api_key=api_key),
+        **_parallel_overrides(data_parallel_size, data_parallel_size_local, data_parallel_start_rank,
+                              data_parallel_rank, data_parallel_address, data_parallel_rpc_port,
+                              data_parallel_node_address, headless, lb_mode, api_servers_per_node, cluster_token),
     })
     ensure_checkpoint(cfg.engine)
-    raise typer.Exit(serve_node(cfg))
+    plan, node = _plan(cfg)
+    raise typer.Exit(serve_node(cfg, plan, node))
+
+
+@app.command()
+def plan(
+    model: Annotated[str | None, typer.Option(help="Checkpoint directory (read for dense vs MoE).")] = None,
+    config: Annotated[Path | None, typer.Option(help="YAML config; flags override it.")] = None,
+    host: Annotated[str | None, typer.Option(help="HTTP interface.")] = None,
+    port: Annotated[int | None, typer.Option(help="HTTP port.")] = None,
+    data_parallel_size: DpSize = None,
+    data_parallel_size_local: DpSizeLocal = None,
+    data_parallel_start_rank: DpStartRank = None,
+    data_parallel_rank: DpRank = None,
+    data_parallel_address: DpAddress = None,
+    data_parallel_rpc_port: DpRpcPort = None,
+    data_parallel_node_address: DpNodeAddress = None,
+    headless: Headless = None,
+    lb_mode: LbMode = None,
+    api_servers_per_node: ApiServers = None,
+):
+    """Print the rank map (nodes → ranks → API servers → ports), or every problem with its fix."""
+    from hybridlb.plan import format_plan
+
+    cfg = build_config(config, model or ("(none)" if config is None else None), {
+        "api": dict(host=host, port=port),
+        **_parallel_overrides(data_parallel_size, data_parallel_size_local, data_parallel_start_rank,
+                              data_parallel_rank, data_parallel_address, data_parallel_rpc_port,
+                              data_parallel_node_address, headless, lb_mode, api_servers_per_node, None),
+    })
+    cluster, _ = _plan(cfg)
+    typer.echo(format_plan(cluster))
 
 
 @bench_app.command("serve")

@@ -89,11 +89,65 @@ class ApiConfig(_Section):
     log_level: Literal["debug", "info", "warning", "error"] = Field("warning", description="HTTP server log level.")
 
 
+class NodeConfig(_Section):
+    """One node of a cluster described in full (for ``plan`` and the Ray launcher)."""
+
+    size_local: int = Field(ge=1, description="Data-parallel ranks (engines) on this node.")
+    start_rank: int | None = Field(None, ge=0, description="First global rank; default: after the previous node.")
+    headless: bool = Field(False, description="Engines only, no API server on this node.")
+    address: str | None = Field(None, description="Address other nodes reach this node at.")
+    api_port: int | None = Field(None, ge=0, le=65535, description="HTTP port on this node; default api.port.")
+
+
+class DataParallelConfig(_Section):
+    """How ranks are spread over nodes. The per-node fields describe the node this
+    process runs on (as the ``--data-parallel-*`` flags do); ``nodes`` may describe the
+    whole cluster instead."""
+
+    size: int = Field(1, ge=1, description="Data-parallel ranks in the whole cluster.")
+    size_local: int | None = Field(None, ge=1, description="Ranks on this node; default: all (one node).")
+    start_rank: int = Field(0, ge=0, description="Global rank of this node's first engine.")
+    rank: int | None = Field(
+        None, ge=0, description="External LB: this server runs and serves exactly this one rank."
+    )
+    address: str = Field("127.0.0.1", description="Address of the start-rank-0 node (coordinator, rpc port).")
+    rpc_port: int = Field(29550, ge=1, le=65500, description="Handshake port on the head; the next few are its.")
+    node_address: str | None = Field(
+        None, description="Address other nodes reach this node at (internal LB); default: address if loopback."
+    )
+    headless: bool = Field(False, description="This node runs engines only, no API server.")
+    nodes: list[NodeConfig] | None = Field(None, description="The whole cluster, one entry per node.")
+    cluster_token: str | None = Field(
+        None, description="Shared secret a node must present to join (also HYBRIDLB_CLUSTER_TOKEN)."
+    )
+
+
+class LoadBalancingConfig(_Section):
+    mode: Literal["hybrid", "internal", "external"] = Field(
+        "hybrid",
+        description="hybrid: an API server per node over its own ranks; internal: API servers on the head "
+        "over all ranks; external: one API server per rank, an outside balancer picks.",
+    )
+    api_servers_per_node: int | Literal["auto"] = Field(
+        1, description="API server processes per node sharing its port (SO_REUSEPORT); auto: from local engines."
+    )
+
+    @model_validator(mode="after")
+    def _positive(self) -> LoadBalancingConfig:
+        if self.api_servers_per_node != "auto" and self.api_servers_per_node < 1:
+            raise ValueError("api_servers_per_node must be at least 1 or 'auto'")
+        return self
+
+
 class Config(_Section):
     """The whole hybridlb configuration."""
 
     engine: EngineConfig = Field(description="Model and engine settings shared by every rank.")
     api: ApiConfig = Field(default_factory=ApiConfig, description="HTTP API server settings.")
+    data_parallel: DataParallelConfig = Field(
+        default_factory=DataParallelConfig, description="Ranks, nodes and their wiring."
+    )
+    lb: LoadBalancingConfig = Field(default_factory=LoadBalancingConfig, description="Load-balancing mode.")
 
     @property
     def served_model_name(self) -> str:

@@ -24,6 +24,33 @@ Engine input/output — one per engine (one per data-parallel rank).
     engine → front end : ``EngineOutputs``  after each step: new tokens and finishes for
                                             this front end's requests, plus ``EngineStats``
                                             whenever (running, waiting, KV usage) changed
+
+Coordinator stats in — one per cluster, on the head node (``rpc_port + 1``).
+    The coordinator **binds** PULL; every engine **connects** PUSH.
+
+    engine → coordinator : ``EngineStats``   whenever its load changed (``seq`` counts up)
+
+Coordinator loads out — (``rpc_port + 2``).
+    The coordinator **binds** PUB; every API server **connects** SUB (no topic filter).
+
+    coordinator → API servers : ``LoadSnapshot``  every rank's latest stats, at most every
+                                                  100 ms while they change, else every 1 s
+                                                  as a heartbeat
+
+Handshake — the rpc port (``rpc_port``) of the head node (start rank 0).
+    The head's launcher **binds** ROUTER; every other node's launcher **connects**
+    DEALER. A node registers, is accepted or rejected, loads its engines, reports ready;
+    the head answers everyone with ``ClusterReady`` once every rank is up (the readiness
+    barrier), then sends a ``Heartbeat`` every second until it stops (``Shutdown``). A
+    node that hears nothing from the head for 5 s shuts itself down.
+
+    node → head : ``RegisterNode``   its ranks, the cluster size, model and config fingerprints
+    head → node : ``NodeAccepted``   coordinator and rendezvous addresses
+    head → node : ``NodeRejected``   why (mismatch, overlap, bad token); the node exits
+    node → head : ``NodeReady``      its engines are loaded
+    head → node : ``ClusterReady``   every rank is up: serve; engine addresses of all ranks
+    head → node : ``Heartbeat``      every second
+    head → node : ``Shutdown``       the head is stopping; so does the node
 """
 
 from __future__ import annotations
@@ -94,6 +121,7 @@ class EngineReady(msgspec.Struct, tag="ready"):
     num_kv_blocks: int
     block_size: int
     eos_token_ids: list[int]
+    dp_group: bool = False  # whether this engine joined a torch.distributed group across ranks
 
 
 class RequestOutput(msgspec.Struct, omit_defaults=True):
@@ -106,11 +134,13 @@ class RequestOutput(msgspec.Struct, omit_defaults=True):
     error: str | None = None
 
 
-class EngineStats(msgspec.Struct):
+class EngineStats(msgspec.Struct, tag="stats"):
     rank: int
     num_running: int
     num_waiting: int
     kv_usage: float
+    seq: int = 0  # counts up with every change, so the newest view of an engine wins
+    dummy_steps: int = 0  # steps run with no work to stay in lockstep (MoE only)
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs"):
@@ -119,9 +149,59 @@ class EngineOutputs(msgspec.Struct, tag="outputs"):
     stats: EngineStats | None = None
 
 
+class LoadSnapshot(msgspec.Struct, tag="loads"):
+    engines: list[EngineStats]  # latest stats of every rank that reported, by rank
+    current_wave: int = 0
+    engines_running: bool = False
+    wave_messages: int = 0  # wave coordination messages seen (always 0 for dense models)
+
+
+class RegisterNode(msgspec.Struct, tag="register"):
+    start_rank: int
+    size_local: int
+    size: int
+    model_fingerprint: str
+    config_hash: str
+    token: str = ""
+    engine_addresses: dict[int, str] = msgspec.field(default_factory=dict)
+    hostname: str = ""
+
+
+class NodeAccepted(msgspec.Struct, tag="accepted"):
+    coordinator_stats: str | None
+    coordinator_loads: str | None
+    rendezvous: str
+
+
+class NodeRejected(msgspec.Struct, tag="rejected"):
+    reason: str
+
+
+class NodeReady(msgspec.Struct, tag="node_ready"):
+    start_rank: int
+
+
+class ClusterReady(msgspec.Struct, tag="cluster_ready"):
+    engine_addresses: dict[int, str]
+
+
+class Heartbeat(msgspec.Struct, tag="heartbeat"):
+    pass
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    reason: str
+
+
 ToEngine = Hello | AddRequest | AbortRequests
 FromEngine = EngineReady | EngineOutputs
+ToHead = RegisterNode | NodeReady | Heartbeat
+FromHead = NodeAccepted | NodeRejected | ClusterReady | Heartbeat | Shutdown
 
 encoder = msgspec.msgpack.Encoder()
 to_engine_decoder = msgspec.msgpack.Decoder(ToEngine)
 from_engine_decoder = msgspec.msgpack.Decoder(FromEngine)
+stats_decoder = msgspec.msgpack.Decoder(EngineStats)
+loads_decoder = msgspec.msgpack.Decoder(LoadSnapshot)
+to_head_decoder = msgspec.msgpack.Decoder(ToHead)
+from_head_decoder = msgspec.msgpack.Decoder(FromHead)

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
+import logging
 import os
 import time
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 
+import msgspec
+import zmq
 import zmq.asyncio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -22,6 +28,30 @@ from hybridlb.api.metrics import Metrics
 from hybridlb.api.schemas import ChatCompletionRequest, CompletionRequest
 from hybridlb.config import Config
 from hybridlb.model.tokenizer import Tokenizer
+from hybridlb.protocol import loads_decoder
+
+log = logging.getLogger(__name__)
+
+
+def _engine_view(engine: EngineConnection) -> dict:
+    stats = engine.stats
+    return {
+        "rank": engine.rank, "alive": engine.alive, "address": engine.address,
+        "num_running": stats.num_running if stats else 0, "num_waiting": stats.num_waiting if stats else 0,
+        "kv_usage": stats.kv_usage if stats else 0.0, "dummy_steps": stats.dummy_steps if stats else 0,
+        "in_flight_here": engine.in_flight, "score": engine.score,
+        "dp_group": engine.info.dp_group if engine.info else None,
+    }
+
+
+async def _announce_ready(connections: list[EngineConnection], on_ready: Callable[[], None] | None) -> None:
+    while True:
+        await asyncio.gather(*(c.wait_ready(3600) for c in connections))
+        if all(c.alive for c in connections):
+            break
+    log.info("all %d engines ready", len(connections))
+    if on_ready is not None:
+        on_ready()
 
 
 class RequestGuard:
@@ -65,8 +95,35 @@ class RequestGuard:
         return await error_response(APIError(413, self._too_large_message()))(scope, receive, send)
 
 
-def create_app(config: Config, engines: list[tuple[int, str]], node: int = 0) -> FastAPI:
-    """An API server over ``engines`` ((global rank, address) pairs of this node)."""
+@dataclass(frozen=True)
+class ApiServerSpec:
+    """Which engines one API server fronts, and how it fits in the cluster."""
+
+    engines: tuple[tuple[int, str], ...]  # (global rank, address)
+    name: str = "api:0"
+    node: int = 0
+    mode: str = "hybrid"
+    coordinator_loads: str | None = None
+
+
+async def _follow_coordinator(context: zmq.asyncio.Context, address: str, frontend: Frontend) -> None:
+    sub = context.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(address)
+    try:
+        while True:
+            payload = await sub.recv()
+            try:
+                frontend.on_snapshot(loads_decoder.decode(payload))
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                log.warning("dropped a malformed load snapshot: %s", exc)
+    finally:
+        sub.close(linger=0)
+
+
+def create_app(config: Config, spec: ApiServerSpec, on_ready: Callable[[], None] | None = None) -> FastAPI:
+    """An API server over the engines in ``spec``; ``on_ready`` runs once they all are."""
     name = config.served_model_name
     metrics = Metrics(name)
     tokenizer = Tokenizer(config.engine.model)
@@ -75,17 +132,22 @@ def create_app(config: Config, engines: list[tuple[int, str]], node: int = 0) ->
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         context = zmq.asyncio.Context()
-        client_id = f"api-{node}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        client_id = f"{spec.name}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         connections = [EngineConnection(rank, address, f"{client_id}-{rank}", context, metrics.update_stats)
-                       for rank, address in engines]
+                       for rank, address in spec.engines]
         for connection in connections:
             metrics.register_engine(connection.rank)
             connection.start()
-        state["frontend"] = Frontend(connections, tokenizer, metrics)
+        frontend = state["frontend"] = Frontend(connections, tokenizer, metrics)
+        tasks = [asyncio.create_task(_announce_ready(connections, on_ready))]
+        if spec.coordinator_loads:
+            tasks.append(asyncio.create_task(_follow_coordinator(context, spec.coordinator_loads, frontend)))
         yield
+        for task in tasks:
+            task.cancel()
         for connection in connections:
             await connection.close()
-        context.term()
+        context.destroy(linger=0)
 
     app = FastAPI(title="hybridlb", version=__version__, lifespan=lifespan)
     install_error_handlers(app)
@@ -126,6 +188,26 @@ def create_app(config: Config, engines: list[tuple[int, str]], node: int = 0) ->
             return JSONResponse({"status": "ok"})
         down = [e.rank for e in frontend.engines if not e.alive]
         return error_response(APIError(503, f"engines not ready: {down}"))
+
+    @app.get("/ranks")
+    async def ranks():
+        frontend = state["frontend"]
+        snapshot = frontend.snapshot
+        return {
+            "node": spec.node, "api_server": spec.name, "mode": spec.mode,
+            "ranks": [engine.rank for engine in frontend.engines],
+            "coordinator": spec.coordinator_loads,
+            "engines": [_engine_view(engine) for engine in frontend.engines],
+            "cluster": [msgspec.to_builtins(stats) for stats in snapshot.engines] if snapshot else None,
+            "wave": {"current": snapshot.current_wave, "running": snapshot.engines_running,
+                     "messages": snapshot.wave_messages} if snapshot else None,
+        }
+
+    @app.get("/load")
+    async def load():
+        frontend = state["frontend"]
+        return {"node": spec.node, "load": frontend.load,
+                "engines": sum(engine.alive for engine in frontend.engines)}
 
     @app.get("/metrics")
     async def prometheus():

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 
 def choose_engine(loads: list[int], start: int) -> int:
-    """Index of the least-loaded engine; ties go to the first at or after ``start``.
+    """Index of the lowest load (``EngineConnection.score``); ties go to the first at or
+    after ``start``.
 
     Rotating ``start`` on every decision spreads ties (an idle cluster, a burst between
     two load reports) instead of piling them onto engine 0.

@@ -101,13 +101,25 @@ class EngineConnection:
             if isinstance(message, EngineOutputs):
                 self._dispatch(message.outputs)
                 if message.stats is not None:
-                    self.stats = message.stats
-                    if self.on_stats:
-                        self.on_stats(message.stats)
+                    self.update_stats(message.stats)
             elif isinstance(message, EngineReady):
                 self.info, self.alive = message, True
                 self._ready.set()
                 log.info("engine %d ready at %s", self.rank, self.address)
+
+    def update_stats(self, stats: EngineStats) -> None:
+        """Take ``stats`` if newer than what we have (direct from the engine or via the coordinator)."""
+        if self.stats is not None and stats.seq <= self.stats.seq:
+            return
+        self.stats = stats
+        if self.on_stats:
+            self.on_stats(stats)
+
+    @property
+    def score(self) -> int:
+        """Load for balancing: 4*waiting + running (latest stats) + this server's in-flight."""
+        waiting, running = (self.stats.num_waiting, self.stats.num_running) if self.stats else (0, 0)
+        return 4 * waiting + running + len(self.streams)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:

@@ -18,7 +18,7 @@ from hybridlb.api.errors import APIError
 from hybridlb.api.metrics import Metrics
 from hybridlb.model.detokenizer import IncrementalDetokenizer
 from hybridlb.model.tokenizer import Tokenizer
-from hybridlb.protocol import SamplingParams
+from hybridlb.protocol import LoadSnapshot, SamplingParams
 
 
 @dataclass
@@ -36,7 +36,22 @@ class Frontend:
         self.by_rank = {engine.rank: engine for engine in engines}
         self.tokenizer = tokenizer
         self.metrics = metrics
+        self.snapshot: LoadSnapshot | None = None  # the coordinator's latest view of every rank
         self._turn = itertools.count()
+
+    def on_snapshot(self, snapshot: LoadSnapshot) -> None:
+        """A coordinator snapshot: keep it, and refresh any local engine it has newer stats for."""
+        self.snapshot = snapshot
+        for stats in snapshot.engines:
+            engine = self.by_rank.get(stats.rank)
+            if engine is not None:
+                engine.update_stats(stats)
+
+    @property
+    def load(self) -> float | None:
+        """One number for an upstream balancer: mean score of this server's live engines."""
+        live = [engine.score for engine in self.engines if engine.alive]
+        return sum(live) / len(live) if live else None
 
     @property
     def ready(self) -> bool:
@@ -62,7 +77,7 @@ class Frontend:
             live = [engine for engine in self.engines if engine.alive]
             if not live:
                 raise APIError(503, "no engine is available on this node")
-            engine = live[choose_engine([e.in_flight for e in live], next(self._turn))]
+            engine = live[choose_engine([e.score for e in live], next(self._turn))]
         if not engine.alive:
             raise APIError(503, f"engine {engine.rank} is not available")
         return engine

@@ -2,22 +2,41 @@
 
 from __future__ import annotations
 
+import socket
+from multiprocessing.synchronize import Event
+
 import uvicorn
 
 from hybridlb import lifecycle
-from hybridlb.api.app import create_app
+from hybridlb.api.app import ApiServerSpec, create_app
 from hybridlb.config import Config
 
 
-def run_api_server(config: Config, engines: list[tuple[int, str]], node: int = 0) -> None:
-    """Serve HTTP on ``config.api.host:port`` over ``engines`` until SIGTERM."""
-    title = f"hybridlb:api:{node}"
+def listen(host: str, port: int, shared: bool) -> socket.socket:
+    """A listening socket; ``shared`` lets several API server processes take the same
+    port, the kernel spreading connections among them (SO_REUSEPORT)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if shared:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    return sock
+
+
+def run_api_server(config: Config, spec: ApiServerSpec, host: str, port: int, shared_port: bool = False,
+                   ready: Event | None = None) -> None:
+    """Serve HTTP on ``host:port`` over ``spec.engines`` until SIGTERM; set ``ready`` once
+    every engine has answered (connections made before then wait in the backlog)."""
+    title = f"hybridlb:{spec.name}"
     lifecycle.set_title(title)
     lifecycle.configure_logging(title)
     lifecycle.die_with_parent()
-    app = create_app(config, engines, node)
+    sock = listen(host, port, shared_port)
+    app = create_app(config, spec, on_ready=ready.set if ready is not None else None)
     server = uvicorn.Server(uvicorn.Config(
-        app, host=config.api.host, port=config.api.port, log_level=config.api.log_level,
-        access_log=False, loop="uvloop", http="httptools", timeout_graceful_shutdown=3,
+        app, log_level=config.api.log_level, access_log=False, loop="uvloop", http="httptools",
+        timeout_graceful_shutdown=3,
     ))
-    server.run()
+    server.run(sockets=[sock])

@@ -10,6 +10,7 @@ Threads:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import queue
@@ -91,9 +92,15 @@ class _Route:
 
 
 class EngineServer:
-    def __init__(self, core: EngineCore, address: str):
+    def __init__(self, core: EngineCore, address: str, coordinator: str | None = None):
         self.core = core
         self.context = zmq.Context()
+        self.coordinator = None
+        if coordinator is not None:
+            self.coordinator = self.context.socket(zmq.PUSH)
+            self.coordinator.setsockopt(zmq.LINGER, 0)
+            self.coordinator.setsockopt(zmq.SNDHWM, 16)  # stale stats are worthless: drop, never block
+            self.coordinator.connect(coordinator)
         self.inbox: queue.Queue = queue.Queue()
         outbox_address = f"inproc://outbox-{uuid.uuid4().hex}"
         self.io = _IOThread(self.context, address, outbox_address, self.inbox)
@@ -103,6 +110,7 @@ class EngineServer:
         self.clients: set[bytes] = set()
         self.owners: dict[str, bytes] = {}
         self.last_stats: EngineStats | None = None
+        self.stats_seq = 0
         self.stopping = False
 
     def stop(self) -> None:
@@ -162,6 +170,7 @@ class EngineServer:
             rank=core.rank, model=core.config.model, max_model_len=core.max_model_len,
             vocab_size=core.vocab_size, num_kv_blocks=core.blocks.num_blocks,
             block_size=core.blocks.block_size, eos_token_ids=sorted(core.eos_token_ids),
+            dp_group=torch.distributed.is_available() and torch.distributed.is_initialized(),
         )
 
     def _route_output(self, route: _Route, output: RequestOutput) -> None:
@@ -172,19 +181,29 @@ class EngineServer:
             route.add(identity, output)
 
     def _publish(self, route: _Route) -> None:
-        stats = self.core.stats()
-        changed = stats != self.last_stats
-        self.last_stats = stats
-        for identity in self.clients if changed else route.by_client:
+        stats = self._stats_if_changed()
+        for identity in self.clients if stats else route.by_client:
             outputs = route.by_client.get(identity, [])
-            self._send(identity, EngineOutputs(self.core.rank, outputs, stats if changed else None))
+            self._send(identity, EngineOutputs(self.core.rank, outputs, stats))
+        if stats and self.coordinator is not None:
+            with contextlib.suppress(zmq.Again):
+                self.coordinator.send(encoder.encode(stats), zmq.NOBLOCK)
+
+    def _stats_if_changed(self) -> EngineStats | None:
+        stats = self.core.stats()
+        if self.last_stats is not None and msgspec.structs.replace(self.last_stats, seq=0) == stats:
+            return None
+        self.stats_seq += 1
+        self.last_stats = msgspec.structs.replace(stats, seq=self.stats_seq)
+        return self.last_stats
 
     def _send(self, identity: bytes, message) -> None:
         self.outbox.send_multipart([identity, encoder.encode(message)])
 
 
 def run_engine(config: EngineConfig, rank: int, address: str, torch_threads: int,
-               errors: multiprocessing.connection.Connection | None = None) -> None:
+               errors: multiprocessing.connection.Connection | None = None,
+               coordinator: str | None = None) -> None:
     """Entry point of an engine process: load the model, then serve until SIGTERM."""
     title = f"hybridlb:engine:{rank}"
     lifecycle.set_title(title)
@@ -193,7 +212,7 @@ def run_engine(config: EngineConfig, rank: int, address: str, torch_threads: int
     lifecycle.tune_allocator()
     torch.set_num_threads(torch_threads)
     try:
-        server = EngineServer(EngineCore(config, rank), address)
+        server = EngineServer(EngineCore(config, rank), address, coordinator)
     except Exception as exc:
         log.error("engine %d failed to start: %s", rank, exc)
         if errors is not None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.api.conftest import start_server
+from tests.servers import start_server
 
 
 def test_api_key_guards_every_v1_route(tiny_qwen3):
@@ -66,13 +66,15 @@ def test_killed_engine_fails_requests_fast_and_health_reports_it(tiny_qwen3):
 
 def test_sigterm_stops_the_whole_tree(tiny_qwen3):
     server = start_server(tiny_qwen3)
-    children = server.children()
-    ours = {title for title in children if title.startswith("hybridlb:")}
-    assert ours == {"hybridlb:engine:0", "hybridlb:api:0"}
-    # The only other child is multiprocessing's resource tracker (spawn starts it).
-    assert all("resource_tracker" in title for title in set(children) - ours)
-    assert Path(f"/proc/{server.process.pid}/cmdline").read_bytes().startswith(b"hybridlb:serve")
-    assert server.stop() == 0
+    try:
+        children = server.children()
+        ours = {title for title in children if title.startswith("hybridlb:")}
+        assert ours == {"hybridlb:engine:0", "hybridlb:api:0"}
+        # The only other child is multiprocessing's resource tracker (spawn starts it).
+        assert all("resource_tracker" in title for title in set(children) - ours)
+        assert Path(f"/proc/{server.process.pid}/cmdline").read_bytes().startswith(b"hybridlb:serve")
+    finally:
+        assert server.stop() == 0
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and any(_running(pid) for pid in children.values()):
         time.sleep(0.2)

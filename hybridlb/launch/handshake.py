@@ -1,0 +1,240 @@
+"""The rpc-port handshake between the head node and the others (no Ray).
+
+The head's launcher runs ``HeadHandshake`` (a thread owning the ROUTER socket): it
+checks each registering node against its own fingerprints, runs the readiness barrier
+(``ClusterReady`` once every rank is up) and sends heartbeats. Every other node's
+launcher uses ``NodeLink``: join, report ready, wait for the barrier, then watch the
+heartbeats and give up when the head goes quiet. Messages: ``hybridlb.protocol``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+from pathlib import Path
+
+import msgspec
+import zmq
+
+from hybridlb.config import Config
+from hybridlb.protocol import (
+    ClusterReady,
+    Heartbeat,
+    NodeAccepted,
+    NodeReady,
+    NodeRejected,
+    RegisterNode,
+    Shutdown,
+    encoder,
+    from_head_decoder,
+    to_head_decoder,
+)
+
+log = logging.getLogger(__name__)
+HEARTBEAT_S = 1.0
+HEAD_SILENCE_S = 5.0
+
+
+class ClusterError(RuntimeError):
+    """This node cannot join or stay in the cluster; the message says why."""
+
+
+def fingerprints(config: Config) -> tuple[str, str]:
+    """(model, config) fingerprints every node must share with the head."""
+    model = hashlib.sha256(Path(config.engine.model, "config.json").read_bytes()).hexdigest()[:16]
+    shared = config.engine.model_dump(exclude={"model", "make_if_missing", "torch_threads"})
+    shared.update(served=config.served_model_name, size=config.data_parallel.size, mode=config.lb.mode)
+    digest = hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]
+    return model, digest
+
+
+def registration(config: Config, start_rank: int, size_local: int, engine_addresses: dict[int, str]) -> RegisterNode:
+    model, digest = fingerprints(config)
+    token = config.data_parallel.cluster_token or os.environ.get("HYBRIDLB_CLUSTER_TOKEN", "")
+    return RegisterNode(start_rank, size_local, config.data_parallel.size, model, digest, token,
+                        engine_addresses, socket.gethostname())
+
+
+class HeadHandshake(threading.Thread):
+    def __init__(self, config: Config, own: RegisterNode, accepted: NodeAccepted):
+        super().__init__(name="hybridlb-handshake", daemon=True)
+        dp = config.data_parallel
+        self.own, self.accepted = own, accepted
+        self.context = zmq.Context()
+        self.router = self.context.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.bind(f"tcp://{dp.address}:{dp.rpc_port}")
+        self.nodes: dict[bytes, RegisterNode] = {}
+        self.ready_ranks: set[int] = set()
+        self.engine_addresses: dict[int, str] = {}
+        self.cluster_ready = threading.Event()
+        self.commands: queue.Queue = queue.Queue()
+
+    # -- called from the launcher's thread -------------------------------------------
+    def mark_local_ready(self, engine_addresses: dict[int, str]) -> None:
+        self.commands.put(("ready", engine_addresses))
+
+    def stop(self, reason: str) -> None:
+        self.commands.put(("stop", reason))
+        self.join(3)
+
+    # -- the thread ----------------------------------------------------------------------
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        last_beat = 0.0
+        while True:
+            if poller.poll(200):
+                identity, payload = self.router.recv_multipart()
+                self._receive(identity, payload)
+            if not self._run_commands():
+                break
+            if time.monotonic() - last_beat >= HEARTBEAT_S:
+                self._broadcast(Heartbeat())
+                last_beat = time.monotonic()
+        self.context.destroy(linger=200)
+
+    def _run_commands(self) -> bool:
+        while True:
+            try:
+                command, value = self.commands.get_nowait()
+            except queue.Empty:
+                return True
+            if command == "stop":
+                self._broadcast(Shutdown(value))
+                return False
+            self.engine_addresses.update(value)
+            self.ready_ranks.update(value)
+            self._check_barrier()
+
+    def _receive(self, identity: bytes, payload: bytes) -> None:
+        try:
+            message = to_head_decoder.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.warning("dropped a malformed handshake message: %s", exc)
+            return
+        if isinstance(message, RegisterNode):
+            problem = self._problem(identity, message)
+            if problem:
+                log.error("rejected node %s (start rank %d): %s", message.hostname, message.start_rank, problem)
+                self._send(identity, NodeRejected(problem))
+                return
+            self.nodes[identity] = message
+            log.info("node %s joined with ranks %d..%d", message.hostname, message.start_rank,
+                     message.start_rank + message.size_local - 1)
+            self._send(identity, self.accepted)
+        elif isinstance(message, NodeReady) and identity in self.nodes:
+            node = self.nodes[identity]
+            self.engine_addresses.update(node.engine_addresses)
+            self.ready_ranks.update(range(node.start_rank, node.start_rank + node.size_local))
+            self._check_barrier()
+
+    def _problem(self, identity: bytes, node: RegisterNode) -> str | None:
+        own = self.own
+        if own.token and node.token != own.token:
+            return "wrong cluster token; give every node the same --cluster-token / HYBRIDLB_CLUSTER_TOKEN"
+        if node.size != own.size:
+            return f"this node says data-parallel size {node.size} but the head runs {own.size}; use the same --data-parallel-size"
+        if node.model_fingerprint != own.model_fingerprint:
+            return "the model differs from the head's (config.json does not match); serve the same checkpoint everywhere"
+        if node.config_hash != own.config_hash:
+            return "engine settings differ from the head's (dtype, max_model_len, block size, model name, ...); use the same config on every node"
+        ranks = set(range(node.start_rank, node.start_rank + node.size_local))
+        if max(ranks) >= own.size:
+            return f"ranks {min(ranks)}..{max(ranks)} go past data-parallel size {own.size}"
+        for other_id, other in [(b"head", own), *self.nodes.items()]:
+            if other_id == identity:
+                continue
+            taken = ranks & set(range(other.start_rank, other.start_rank + other.size_local))
+            if taken:
+                return f"rank(s) {sorted(taken)} are already run by {other.hostname or 'the head'}; pick another --data-parallel-start-rank"
+        return None
+
+    def _check_barrier(self) -> None:
+        if not self.cluster_ready.is_set() and len(self.ready_ranks) == self.own.size:
+            log.info("all %d ranks are up: the cluster is ready", self.own.size)
+            self.cluster_ready.set()
+            self._broadcast(ClusterReady(self.engine_addresses))
+
+    def _broadcast(self, message) -> None:
+        for identity in self.nodes:
+            self._send(identity, message)
+
+    def _send(self, identity: bytes, message) -> None:
+        self.router.send_multipart([identity, encoder.encode(message)])
+
+
+class NodeLink:
+    """A non-head node's line to the head."""
+
+    def __init__(self, config: Config):
+        dp = config.data_parallel
+        self.head = f"tcp://{dp.address}:{dp.rpc_port}"
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(self.head)
+        self.last_heard = time.monotonic()
+        self.lost: str | None = None
+        self._watcher: threading.Thread | None = None
+
+    def _recv(self, timeout_s: float):
+        """Next message from the head, or None after ``timeout_s``; heartbeats refresh liveness."""
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            if not self.socket.poll(int(min(left, 0.5) * 1000) + 1):
+                if time.monotonic() - self.last_heard > HEAD_SILENCE_S:
+                    raise ClusterError(f"lost the head node at {self.head}: no heartbeat for {HEAD_SILENCE_S:.0f} s")
+                continue
+            message = from_head_decoder.decode(self.socket.recv())
+            self.last_heard = time.monotonic()
+            if isinstance(message, Shutdown):
+                raise ClusterError(f"the head node stopped ({message.reason})")
+            if not isinstance(message, Heartbeat):
+                return message
+        return None
+
+    def join(self, registration: RegisterNode, timeout_s: float = 120) -> NodeAccepted:
+        self.socket.send(encoder.encode(registration))
+        self.last_heard = time.monotonic() + timeout_s  # the head may not be up yet
+        reply = self._recv(timeout_s)
+        if reply is None:
+            raise ClusterError(f"no answer from the head node at {self.head} within {timeout_s:.0f} s")
+        if isinstance(reply, NodeRejected):
+            raise ClusterError(f"the head node at {self.head} rejected this node: {reply.reason}")
+        self.last_heard = time.monotonic()
+        return reply
+
+    def wait_cluster_ready(self, start_rank: int, timeout_s: float) -> ClusterReady:
+        self.socket.send(encoder.encode(NodeReady(start_rank)))
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            message = self._recv(deadline - time.monotonic())
+            if isinstance(message, ClusterReady):
+                return message
+        raise ClusterError(f"the cluster was not ready within {timeout_s:.0f} s (some node never came up)")
+
+    def watch(self, on_lost) -> None:
+        """From now on, call ``on_lost(reason)`` once if the head goes quiet or stops."""
+
+        def loop() -> None:
+            try:
+                while True:
+                    self._recv(3600)
+            except ClusterError as exc:
+                self.lost = str(exc)
+                on_lost(self.lost)
+            except zmq.ZMQError:  # closed by this node's own shutdown
+                return
+
+        self._watcher = threading.Thread(target=loop, name="hybridlb-head-watch", daemon=True)
+        self._watcher.start()
+
+    def close(self) -> None:
+        self.context.destroy(linger=0)

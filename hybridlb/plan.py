@@ -1,0 +1,254 @@
+"""The rank map: config → nodes → global ranks → engines, API servers and ports.
+
+A pure function, so every topology is checked in one place, before anything starts,
+and ``hybridlb plan`` can print it. A config either describes the node it runs on (the
+``--data-parallel-*`` flags: the other nodes arrive through the handshake) or lists every
+node under ``data_parallel.nodes`` (then ranks must cover 0..size-1 exactly).
+
+Ports on the head node (start rank 0): ``rpc_port`` handshake, ``+1`` coordinator stats
+in (engines push), ``+2`` coordinator loads out (API servers subscribe), ``+3`` torch
+distributed rendezvous (MoE). Engines that must be reachable from other nodes (internal
+LB) listen on ``rpc_port + 16 + rank``; otherwise they use local IPC sockets.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from hybridlb.config import Config
+
+ENGINE_PORT_OFFSET = 16
+
+
+class PlanError(ValueError):
+    """An impossible topology; ``problems`` lists each one with its fix."""
+
+    def __init__(self, problems: list[str]):
+        super().__init__("invalid data-parallel setup:\n" + "\n".join(f"  - {p}" for p in problems))
+        self.problems = problems
+
+
+@dataclass(frozen=True)
+class ApiServerPlan:
+    name: str  # process title suffix: "api:1" or "api:1.0"
+    host: str
+    port: int
+    ranks: tuple[int, ...]  # the engines it balances over
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    index: int
+    start_rank: int
+    ranks: tuple[int, ...]
+    headless: bool
+    address: str
+    api_servers: tuple[ApiServerPlan, ...]
+
+    @property
+    def is_head(self) -> bool:
+        return self.start_rank == 0
+
+
+@dataclass(frozen=True)
+class ClusterPlan:
+    size: int
+    mode: str
+    head_address: str
+    rpc_port: int
+    nodes: tuple[NodePlan, ...]
+    complete: bool  # every node is known (a full ``nodes`` list, or a single node)
+    coordinator: bool  # whether a coordinator runs at all
+    remote_engines: bool  # engines listen on TCP for API servers of other nodes
+
+    @property
+    def multi_node(self) -> bool:
+        return not self.complete or len(self.nodes) > 1
+
+    def coordinator_stats_address(self) -> str:
+        return f"tcp://{self.head_address}:{self.rpc_port + 1}"
+
+    def coordinator_loads_address(self) -> str:
+        return f"tcp://{self.head_address}:{self.rpc_port + 2}"
+
+    def rendezvous_address(self) -> str:
+        return f"tcp://{self.head_address}:{self.rpc_port + 3}"
+
+    def engine_port(self, rank: int) -> int:
+        return self.rpc_port + ENGINE_PORT_OFFSET + rank
+
+
+def _api_server_count(config: Config, local_engines: int) -> int:
+    wanted = config.lb.api_servers_per_node
+    if wanted == "auto":
+        return max(1, min(local_engines, (os.cpu_count() or 1) // 4))
+    return wanted
+
+
+def _node_specs(config: Config, problems: list[str]) -> list[tuple[int, int, bool, str | None, int | None]]:
+    """(start_rank, size_local, headless, address, api_port) of every node this config knows."""
+    dp = config.data_parallel
+    if dp.nodes:
+        specs, next_rank = [], 0
+        for node in dp.nodes:
+            start = node.start_rank if node.start_rank is not None else next_rank
+            specs.append((start, node.size_local, node.headless, node.address, node.api_port))
+            next_rank = start + node.size_local
+        return specs
+    if dp.rank is not None:
+        if dp.size_local not in (None, 1):
+            problems.append(f"data_parallel.rank={dp.rank} runs exactly one rank, but size_local={dp.size_local}; "
+                            "drop --data-parallel-size-local")
+        return [(dp.rank, 1, dp.headless, dp.node_address, None)]
+    size_local = dp.size_local if dp.size_local is not None else dp.size
+    return [(dp.start_rank, size_local, dp.headless, dp.node_address, None)]
+
+
+def _mode(config: Config, problems: list[str]) -> str:
+    dp, lb = config.data_parallel, config.lb
+    if dp.rank is not None:
+        if "mode" in lb.model_fields_set and lb.mode != "external":
+            problems.append(f"data_parallel.rank is for external load balancing, but lb.mode={lb.mode}; "
+                            "use --lb-mode external, or --data-parallel-start-rank for hybrid/internal")
+        return "external"
+    return lb.mode
+
+
+def _label(specs, index: int) -> str:
+    start = specs[index][0]
+    return f"node {index} (start rank {start})" if len(specs) > 1 else f"this node (start rank {start})"
+
+
+def _check_ranks(size: int, specs, complete: bool, problems: list[str]) -> None:
+    owner: dict[int, int] = {}
+    for index, (start, size_local, _, _, _) in enumerate(specs):
+        where = _label(specs, index)
+        if size_local > size:
+            problems.append(f"{where}: size_local={size_local} is larger than data_parallel.size={size}; "
+                            "lower size_local or raise size")
+        elif start + size_local > size:
+            problems.append(f"{where}: ranks {start}..{start + size_local - 1} go past data_parallel.size="
+                            f"{size} (ranks are 0..{size - 1}); lower start_rank or size_local")
+        for rank in range(start, start + size_local):
+            if rank in owner and owner[rank] != index:
+                problems.append(f"nodes {owner[rank]} and {index} both claim rank {rank}; "
+                                "give each node its own start_rank")
+            owner.setdefault(rank, index)
+    missing = [r for r in range(size) if r not in owner]
+    if complete and missing:
+        problems.append(f"no node runs rank(s) {', '.join(map(str, missing))}; add a node with start_rank "
+                        f"{missing[0]} or lower data_parallel.size")
+
+
+def _check_mode(config: Config, mode: str, specs, problems: list[str]) -> None:
+    explicit_api_servers = "api_servers_per_node" in config.lb.model_fields_set
+    for index, (start, _, headless, _, _) in enumerate(specs):
+        where = _label(specs, index)
+        if headless and explicit_api_servers:
+            problems.append(f"{where} is headless (engines only) but api_servers_per_node is set; "
+                            "drop one of --headless / --api-servers-per-node")
+        if mode == "hybrid" and headless:
+            problems.append(f"{where}: hybrid mode runs an API server on every node, so it cannot be headless; "
+                            "drop --headless, or use --lb-mode internal")
+        if mode == "external" and headless:
+            problems.append(f"{where}: external mode runs an API server per rank, so it cannot be headless; "
+                            "drop --headless")
+        if mode == "internal" and start == 0 and headless:
+            problems.append(f"{where}: internal mode serves from the head node, which cannot be headless; "
+                            "drop --headless there")
+        if mode == "internal" and start != 0 and not headless:
+            problems.append(f"{where}: internal mode runs API servers on the head only; "
+                            "start this node with --headless")
+    if mode == "external" and explicit_api_servers and config.lb.api_servers_per_node != 1:
+        problems.append("external mode runs exactly one API server per rank; drop --api-servers-per-node")
+
+
+def _api_servers(config: Config, mode: str, index: int, start: int, ranks: tuple[int, ...], headless: bool,
+                 host: str, port: int) -> tuple[ApiServerPlan, ...]:
+    if headless:
+        return ()
+    if mode == "external":
+        return tuple(ApiServerPlan(f"api:{index}.{i}", host, port + i, (rank,)) for i, rank in enumerate(ranks))
+    served = ranks if mode == "hybrid" else tuple(range(config.data_parallel.size))
+    count = _api_server_count(config, len(ranks))
+    if count == 1:
+        return (ApiServerPlan(f"api:{index}", host, port, served),)
+    return tuple(ApiServerPlan(f"api:{index}.{i}", host, port, served) for i in range(count))
+
+
+def _check_ports(plan: ClusterPlan, problems: list[str]) -> None:
+    bound: dict[tuple[str, int], str] = {}
+
+    def claim(address: str, port: int, what: str) -> None:
+        key = (address, port)
+        if key in bound and bound[key] != what:
+            problems.append(f"port {port} on {address} is used by both {bound[key]} and {what}; "
+                            "change --port or --data-parallel-rpc-port")
+        bound.setdefault(key, what)
+
+    for node in plan.nodes:
+        if node.is_head and (plan.multi_node or plan.coordinator):
+            for offset, what in enumerate(("rpc handshake", "coordinator stats", "coordinator loads",
+                                           "torch rendezvous")):
+                claim(plan.head_address, plan.rpc_port + offset, what)
+        if plan.remote_engines:
+            for rank in node.ranks:
+                claim(node.address, plan.engine_port(rank), f"engine {rank}")
+        for api in node.api_servers:
+            claim(node.address, api.port, f"API server {api.name.split('.')[0]}")
+
+
+def plan_cluster(config: Config, is_moe: bool = False) -> ClusterPlan:
+    """Validate the topology and lay it out; raise PlanError listing every problem."""
+    problems: list[str] = []
+    dp = config.data_parallel
+    mode = _mode(config, problems)
+    specs = _node_specs(config, problems)
+    complete = bool(dp.nodes) or (specs[0][1] == dp.size and specs[0][0] == 0)
+    if dp.rank is not None and dp.rank >= dp.size:
+        problems.append(f"data_parallel.rank={dp.rank} is out of range for size={dp.size} (ranks 0..{dp.size - 1}); "
+                        "pick a rank below the size or raise --data-parallel-size")
+    _check_ranks(dp.size, specs, complete, problems)
+    _check_mode(config, mode, specs, problems)
+    nodes = []
+    for index, (start, size_local, headless, address, api_port) in enumerate(specs):
+        ranks = tuple(range(start, start + size_local))
+        node_index = index if dp.nodes else start // max(1, size_local)
+        host = address or (dp.address if start == 0 else dp.node_address or dp.address)
+        port = api_port if api_port is not None else config.api.port
+        servers = _api_servers(config, mode, node_index, start, ranks, headless, config.api.host, port)
+        nodes.append(NodePlan(node_index, start, ranks, headless, host, servers))
+    plan = ClusterPlan(
+        size=dp.size, mode=mode, head_address=dp.address, rpc_port=dp.rpc_port, nodes=tuple(nodes),
+        complete=complete, coordinator=dp.size > 1 and (is_moe or mode != "external"),
+        remote_engines=mode == "internal" and (not complete or len(nodes) > 1),
+    )
+    _check_ports(plan, problems)
+    if problems:
+        raise PlanError(problems)
+    return plan
+
+
+def format_plan(plan: ClusterPlan) -> str:
+    """The plan as a table: one row per node, then the shared endpoints."""
+    lines = [f"{'node':<6}{'ranks':<14}{'role':<22}{'API servers':<40}"]
+    for node in plan.nodes:
+        ranks = f"{node.ranks[0]}..{node.ranks[-1]}" if len(node.ranks) > 1 else str(node.ranks[0])
+        role = ("head" if node.is_head else "worker") + (", headless" if node.headless else "")
+        apis = ", ".join(f"{a.name}@{a.host}:{a.port}→{_ranks(a.ranks)}" for a in node.api_servers) or "-"
+        lines.append(f"{node.index:<6}{ranks:<14}{role:<22}{apis:<40}")
+    lines.append(f"mode: {plan.mode}; data-parallel size {plan.size}"
+                 + ("" if plan.complete else " (other nodes join through the rpc port)"))
+    if plan.coordinator:
+        lines.append(f"coordinator: {plan.coordinator_stats_address()} (stats in), "
+                     f"{plan.coordinator_loads_address()} (loads out)")
+    else:
+        lines.append("coordinator: none (" + ("one rank" if plan.size == 1 else "external LB, dense") + ")")
+    if plan.multi_node:
+        lines.append(f"rpc handshake: tcp://{plan.head_address}:{plan.rpc_port}")
+    return "\n".join(lines)
+
+
+def _ranks(ranks: tuple[int, ...]) -> str:
+    return f"[{ranks[0]}..{ranks[-1]}]" if len(ranks) > 2 else str(list(ranks))

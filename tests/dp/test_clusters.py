@@ -1,0 +1,201 @@
+"""Data-parallel clusters on one host: `hybridlb serve` trees as "nodes" sharing an rpc port."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import time
+
+import httpx
+import pytest
+
+from tests.servers import Server, completion, free_port_range, start_servers
+
+
+def _dp_flags(size: int, size_local: int, start_rank: int, rpc_port: int, *extra: str) -> list[str]:
+    return ["--data-parallel-size", str(size), "--data-parallel-size-local", str(size_local),
+            "--data-parallel-start-rank", str(start_rank), "--data-parallel-address", "127.0.0.1",
+            "--data-parallel-rpc-port", str(rpc_port), *extra]
+
+
+def served_per_engine(url: str) -> dict[int, float]:
+    """Finished requests per engine, read from /metrics alone."""
+    text = httpx.get(f"{url}/metrics").text
+    counts: dict[int, float] = {}
+    for engine, value in re.findall(r'^hybridlb:request_success_total\{[^}]*engine="(\d+)"[^}]*\} (\S+)$',
+                                    text, re.M):
+        counts[int(engine)] = counts.get(int(engine), 0) + float(value)
+    return counts
+
+
+def generated_per_engine(url: str) -> dict[int, float]:
+    text = httpx.get(f"{url}/metrics").text
+    return {int(e): float(v) for e, v in
+            re.findall(r'^hybridlb:generation_tokens_total\{[^}]*engine="(\d+)"[^}]*\} (\S+)$', text, re.M)}
+
+
+async def _burst(urls: list[str], model: str, count: int, prompts=None, max_tokens=None) -> list[int]:
+    """``count`` completions at once, alternating over ``urls``; returns the status codes."""
+    async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=count)) as client:
+        async def one(i: int) -> int:
+            prompt = prompts[i] if prompts else f"Request {i}"
+            tokens = max_tokens[i] if max_tokens else 8
+            body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True}
+            return (await client.post(f"{urls[i % len(urls)]}/v1/completions", json=body)).status_code
+
+        return await asyncio.gather(*(one(i) for i in range(count)))
+
+
+def burst(urls, model, count, **kwargs) -> list[int]:
+    return asyncio.run(_burst(urls, model, count, **kwargs))
+
+
+@pytest.fixture(scope="module")
+def hybrid(tiny_qwen3):
+    """DP=4 as two nodes of two ranks each, one API server per node."""
+    rpc = free_port_range(4)
+    head = Server(tiny_qwen3, *_dp_flags(4, 2, 0, rpc))
+    worker = Server(tiny_qwen3, *_dp_flags(4, 2, 2, rpc))
+    nodes = start_servers(head, worker)
+    head.rpc = worker.rpc = rpc
+    yield nodes
+    for node in nodes:
+        node.stop()
+
+
+def test_hybrid_each_node_balances_over_its_own_engines(hybrid):
+    head, worker = hybrid
+    statuses = burst([head.url, worker.url], head.model, 120)
+    assert statuses == [200] * 120
+    for node, ranks in ((head, {0, 1}), (worker, {2, 3})):
+        served = served_per_engine(node.url)
+        assert set(served) == ranks, f"{node.url} lists engines {set(served)}"
+        total = sum(served.values())
+        assert total == 60
+        assert all(count > total // 3 for count in served.values()), served
+
+
+def test_ranks_and_load_endpoints(hybrid):
+    head, worker = hybrid
+    view = httpx.get(f"{worker.url}/ranks").json()
+    assert view["ranks"] == [2, 3] and view["mode"] == "hybrid"
+    assert view["coordinator"] == f"tcp://127.0.0.1:{worker.rpc + 2}"
+    assert all(e["alive"] for e in view["engines"])
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not (view["cluster"] and len(view["cluster"]) == 4):
+        time.sleep(0.2)
+        view = httpx.get(f"{worker.url}/ranks").json()
+    assert sorted(e["rank"] for e in view["cluster"]) == [0, 1, 2, 3], "coordinator snapshot covers every rank"
+    load = httpx.get(f"{head.url}/load").json()
+    assert load["engines"] == 2 and load["load"] is not None
+
+
+def test_dense_ranks_run_independently(hybrid):
+    """Seed 000: no torch.distributed group, no dummy batches, no wave messages for dense models."""
+    head, worker = hybrid
+    burst([head.url, worker.url], head.model, 20)
+    for node in hybrid:
+        view = httpx.get(f"{node.url}/ranks").json()
+        assert all(engine["dp_group"] is False for engine in view["engines"])
+        assert all(engine["dummy_steps"] == 0 for engine in view["engines"])
+        assert view["wave"] is not None and view["wave"]["messages"] == 0
+
+
+def test_pinned_rank_on_another_node_is_refused(hybrid):
+    head, worker = hybrid
+    response = httpx.post(f"{head.url}/v1/completions", headers={"X-data-parallel-rank": "3"},
+                          json={"model": head.model, "prompt": "x", "max_tokens": 2})
+    assert response.status_code == 400 and "ranks 0, 1" in response.json()["error"]["message"]
+    pinned = httpx.post(f"{worker.url}/v1/completions", headers={"X-data-parallel-rank": "3"},
+                        json={"model": head.model, "prompt": "x", "max_tokens": 2})
+    assert pinned.status_code == 200
+
+
+def test_skewed_load_keeps_every_engine_busy(hybrid):
+    head, worker = hybrid
+    before = {**generated_per_engine(head.url), **generated_per_engine(worker.url)}
+    count = 80
+    prompts = [("long story " * 60) if i % 10 == 0 else f"short {i}" for i in range(count)]
+    max_tokens = [120 if i % 10 == 0 else 12 for i in range(count)]
+    assert burst([head.url, worker.url], head.model, count, prompts=prompts, max_tokens=max_tokens) == [200] * count
+    after = {**generated_per_engine(head.url), **generated_per_engine(worker.url)}
+    share = {rank: after[rank] - before.get(rank, 0) for rank in after}
+    mean = sum(share.values()) / len(share)
+    assert all(mean / 2 <= tokens <= mean * 2 for tokens in share.values()), share
+
+
+def test_single_node_hybrid_with_the_same_flags(tiny_qwen3):
+    (node,) = start_servers(Server(tiny_qwen3, *_dp_flags(2, 2, 0, free_port_range(4))))
+    try:
+        assert burst([node.url], node.model, 60) == [200] * 60
+        served = served_per_engine(node.url)
+        assert set(served) == {0, 1} and all(count > 60 // 3 for count in served.values()), served
+    finally:
+        assert node.stop() == 0
+
+
+def test_internal_lb_spreads_over_all_four_engines(tiny_qwen3):
+    rpc = free_port_range(24)
+    head = Server(tiny_qwen3, *_dp_flags(4, 2, 0, rpc, "--lb-mode", "internal"))
+    worker = Server(tiny_qwen3, *_dp_flags(4, 2, 2, rpc, "--lb-mode", "internal", "--headless"))
+    start_servers(head, worker)
+    try:
+        for _ in range(2):
+            assert burst([head.url], head.model, 200) == [200] * 200
+        served = served_per_engine(head.url)
+        assert set(served) == {0, 1, 2, 3}
+        assert all(count > 400 // 5 for count in served.values()), served
+    finally:
+        head.stop()
+        worker.stop()
+
+
+def test_external_lb_one_server_per_rank(tiny_qwen3):
+    servers = [Server(tiny_qwen3, "--data-parallel-size", "2", "--data-parallel-rank", str(rank))
+               for rank in (0, 1)]
+    start_servers(*servers)
+    try:
+        for rank, server in enumerate(servers):
+            for _ in range(3):
+                completion(server.url, server.model)
+            assert served_per_engine(server.url) == {rank: 3}
+            assert "hybridlb:coordinator" not in server.children()
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def test_losing_the_head_stops_the_other_node(tiny_qwen3):
+    rpc = free_port_range(4)
+    head = Server(tiny_qwen3, *_dp_flags(4, 2, 0, rpc))
+    worker = Server(tiny_qwen3, *_dp_flags(4, 2, 2, rpc))
+    start_servers(head, worker)
+    try:
+        for pid in head.children().values():
+            os.kill(pid, signal.SIGKILL)
+        head.process.kill()
+        started = time.monotonic()
+        worker.process.wait(15)
+        assert time.monotonic() - started < 10
+        assert worker.process.returncode == 1
+        assert "lost the head node" in worker.output
+    finally:
+        head.stop()
+        worker.stop()
+
+
+def test_mismatched_node_is_rejected_on_both_sides(tiny_qwen3):
+    rpc = free_port_range(4)
+    head = Server(tiny_qwen3, *_dp_flags(4, 2, 0, rpc))
+    odd = Server(tiny_qwen3, *_dp_flags(4, 2, 2, rpc, "--block-size", "32"))
+    try:
+        odd.process.wait(120)
+        assert odd.process.returncode == 1
+        assert "rejected this node: engine settings differ" in odd.output
+        time.sleep(0.5)
+        assert "rejected node" in head.output and "engine settings differ" in head.output
+    finally:
+        head.stop()
+        odd.stop()

@@ -1,0 +1,122 @@
+"""Real `hybridlb serve` process trees for tests: start, wait until ready, stop by pid."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from hybridlb.lifecycle import die_with_parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def free_port_range(count: int) -> int:
+    """A base port with ``count`` consecutive free ports after it (the coordinator's block)."""
+    for _ in range(100):
+        base = free_port()
+        if base + count < 65000 and all(_is_free(base + i) for i in range(count)):
+            return base
+    raise RuntimeError("no free port range")
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+class Server:
+    """One `hybridlb serve` process tree (one node)."""
+
+    def __init__(self, model: str, *flags: str, port: int | None = None):
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.model = model
+        command = [sys.executable, "-m", "hybridlb", "serve", "--model", model, "--port", str(self.port),
+                   "--max-model-len", "512", "--kv-cache-gib", "0.05", *flags]
+        # If this test process dies, the server gets SIGTERM instead of living on.
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                        preexec_fn=die_with_parent)
+        self.lines: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            self.lines.append(line)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait_ready(self, timeout_s: float = 180) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if any("hybridlb is ready" in line for line in self.lines):
+                return
+            if self.process.poll() is not None:
+                time.sleep(0.2)
+                raise RuntimeError(f"hybridlb serve exited early:\n{self.output}")
+            time.sleep(0.2)
+        raise TimeoutError(f"hybridlb serve did not become ready:\n{self.output}")
+
+    def children(self) -> dict[str, int]:
+        """Command line (a process title for hybridlb's own) → pid of this server's children."""
+        pids = Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children").read_text().split()
+        titles = {}
+        for pid in pids:
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+            except FileNotFoundError:
+                continue
+            titles[cmdline] = int(pid)
+        return titles
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(20)
+            except subprocess.TimeoutExpired:
+                for pid in self.children().values():
+                    os.kill(pid, signal.SIGKILL)
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+
+def start_servers(*servers: Server) -> list[Server]:
+    """Wait for every server (they start in parallel); stop them all if one fails."""
+    try:
+        for server in servers:
+            server.wait_ready()
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+    return list(servers)
+
+
+def start_server(model: str, *flags: str) -> Server:
+    return start_servers(Server(model, *flags))[0]
+
+
+def completion(url: str, model: str, prompt: str = "GPU", max_tokens: int = 4, **extra) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()
