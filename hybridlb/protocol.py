@@ -141,6 +141,7 @@ class EngineStats(msgspec.Struct, tag="stats"):
     kv_usage: float
     seq: int = 0  # counts up with every change, so the newest view of an engine wins
     dummy_steps: int = 0  # steps run with no work to stay in lockstep (MoE only)
+    busy_s: float = 0.0  # time spent stepping since start (rides along; a change alone is not news)
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs"):

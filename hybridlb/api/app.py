@@ -104,6 +104,7 @@ class ApiServerSpec:
     node: int = 0
     mode: str = "hybrid"
     coordinator_loads: str | None = None
+    policy: str = "least_loaded"
 
 
 async def _follow_coordinator(context: zmq.asyncio.Context, address: str, frontend: Frontend) -> None:
@@ -138,7 +139,7 @@ def create_app(config: Config, spec: ApiServerSpec, on_ready: Callable[[], None]
         for connection in connections:
             metrics.register_engine(connection.rank)
             connection.start()
-        frontend = state["frontend"] = Frontend(connections, tokenizer, metrics)
+        frontend = state["frontend"] = Frontend(connections, tokenizer, metrics, spec.policy)
         tasks = [asyncio.create_task(_announce_ready(connections, on_ready))]
         if spec.coordinator_loads:
             tasks.append(asyncio.create_task(_follow_coordinator(context, spec.coordinator_loads, frontend)))

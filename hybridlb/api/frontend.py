@@ -31,8 +31,10 @@ class Delta:
 
 
 class Frontend:
-    def __init__(self, engines: list[EngineConnection], tokenizer: Tokenizer, metrics: Metrics):
+    def __init__(self, engines: list[EngineConnection], tokenizer: Tokenizer, metrics: Metrics,
+                 policy: str = "least_loaded"):
         self.engines = engines
+        self.policy = policy
         self.by_rank = {engine.rank: engine for engine in engines}
         self.tokenizer = tokenizer
         self.metrics = metrics
@@ -77,7 +79,11 @@ class Frontend:
             live = [engine for engine in self.engines if engine.alive]
             if not live:
                 raise APIError(503, "no engine is available on this node")
-            engine = live[choose_engine([e.score for e in live], next(self._turn))]
+            turn = next(self._turn)
+            if self.policy == "round_robin":
+                engine = live[turn % len(live)]
+            else:
+                engine = live[choose_engine([e.score for e in live], turn)]
         if not engine.alive:
             raise APIError(503, f"engine {engine.rank} is not available")
         return engine

@@ -1,12 +1,18 @@
 """Prometheus metrics of one API server, vLLM-compatible names, labelled per engine.
 
 ``engine`` is the global data-parallel rank, so balance across ranks is checkable
-from ``/metrics`` alone.
+from ``/metrics`` alone. When several API server processes share a node's port, the
+launcher sets ``PROMETHEUS_MULTIPROC_DIR`` and every scrape, whichever process answers
+it, reports the node's totals: counters and histograms add up across the processes,
+engine gauges show the most recent value any of them saw.
 """
 
 from __future__ import annotations
 
+import os
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from hybridlb.protocol import EngineStats
 
@@ -17,12 +23,20 @@ _TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0
 
 class Metrics:
     def __init__(self, model_name: str):
+        self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+        # In multiprocess mode values live in files and a collector reads them all at scrape time.
         self.registry = CollectorRegistry()
+        r = None if self.multiprocess else self.registry
         labels = ["model_name", "engine"]
-        r = self.registry
-        self.running = Gauge("hybridlb:num_requests_running", "Requests in the engine's running batch.", labels, registry=r)
-        self.waiting = Gauge("hybridlb:num_requests_waiting", "Requests waiting in the engine.", labels, registry=r)
-        self.kv_usage = Gauge("hybridlb:kv_cache_usage_perc", "Fraction of KV blocks in use.", labels, registry=r)
+        gauge = {"multiprocess_mode": "mostrecent"} if self.multiprocess else {}
+        self.running = Gauge("hybridlb:num_requests_running", "Requests in the engine's running batch.", labels,
+                             registry=r, **gauge)
+        self.waiting = Gauge("hybridlb:num_requests_waiting", "Requests waiting in the engine.", labels,
+                             registry=r, **gauge)
+        self.kv_usage = Gauge("hybridlb:kv_cache_usage_perc", "Fraction of KV blocks in use.", labels,
+                              registry=r, **gauge)
+        self.busy = Gauge("hybridlb:engine_busy_seconds", "Time the engine spent stepping.", labels,
+                          registry=r, **gauge)
         self.ttft = Histogram("hybridlb:time_to_first_token_seconds", "Time to first token.", labels,
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("hybridlb:inter_token_latency_seconds", "Time between streamed tokens.", labels,
@@ -51,6 +65,7 @@ class Metrics:
         self.running.labels(**labels).set(stats.num_running)
         self.waiting.labels(**labels).set(stats.num_waiting)
         self.kv_usage.labels(**labels).set(stats.kv_usage)
+        self.busy.labels(**labels).set(stats.busy_s)
 
     def finished(self, rank: int, reason: str, e2e_s: float, prompt_tokens: int, output_tokens: int) -> None:
         labels = self.labels(rank)
@@ -60,4 +75,8 @@ class Metrics:
         self.generation_tokens.labels(**labels).inc(output_tokens)
 
     def render(self) -> bytes:
+        if self.multiprocess:
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry)
+            return generate_latest(registry)
         return generate_latest(self.registry)

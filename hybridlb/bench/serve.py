@@ -66,14 +66,15 @@ def make_prompts(args: BenchArgs, vocab_size: int, decode=None) -> list[list[int
     return prompts
 
 
-async def _one(client: httpx.AsyncClient, args: BenchArgs, prompt, start_of_run: float) -> RequestResult:
-    body = {"model": args.model, "prompt": prompt, "max_tokens": args.random_output_len, "stream": True,
+async def _one(client: httpx.AsyncClient, args: BenchArgs, prompt, start_of_run: float, url: str,
+               max_tokens: int) -> RequestResult:
+    body = {"model": args.model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
             "stream_options": {"include_usage": True}, "temperature": 0.0, "ignore_eos": args.ignore_eos}
     result = RequestResult(prompt_tokens=len(prompt) if isinstance(prompt, list) else 0)
     sent = time.perf_counter()
     last = None
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as response:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
             if response.status_code != 200:
                 result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                 return result
@@ -111,30 +112,34 @@ def _intervals(rate: float, count: int, seed: int) -> list[float]:
     return [rng.expovariate(rate) for _ in range(count)]
 
 
-async def run_benchmark(args: BenchArgs, prompts: list) -> tuple[list[RequestResult], float]:
+async def run_benchmark(args: BenchArgs, prompts: list, urls: list[str] | None = None,
+                        max_tokens: list[int] | None = None) -> tuple[list[RequestResult], float]:
+    """Send every prompt (request ``i`` to ``urls[i % len(urls)]``, default the base URL)."""
+    urls = urls or [args.base_url]
+    max_tokens = max_tokens or [args.random_output_len] * len(prompts)
     limit = args.max_concurrency or len(prompts)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
     semaphore = asyncio.Semaphore(limit)
     done = 0
 
-    async def guarded(prompt) -> RequestResult:
+    async def guarded(index: int, prompt) -> RequestResult:
         nonlocal done
         async with semaphore:
-            result = await _one(client, args, prompt, start)
+            result = await _one(client, args, prompt, start, urls[index % len(urls)], max_tokens[index])
         done += 1
         if args.progress:
             print(f"\r{done}/{len(prompts)} requests", end="", file=sys.stderr, flush=True)
         return result
 
-    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, limits=limits,
-                                 timeout=httpx.Timeout(None, connect=30)) as client:
+    async with httpx.AsyncClient(headers=headers, limits=limits, timeout=httpx.Timeout(None, connect=30)) as client:
         start = time.perf_counter()
         tasks = []
-        for prompt, gap in zip(prompts, _intervals(args.request_rate, len(prompts), args.seed), strict=True):
+        gaps = _intervals(args.request_rate, len(prompts), args.seed)
+        for index, (prompt, gap) in enumerate(zip(prompts, gaps, strict=True)):
             if gap:
                 await asyncio.sleep(gap)
-            tasks.append(asyncio.create_task(guarded(prompt)))
+            tasks.append(asyncio.create_task(guarded(index, prompt)))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
     if args.progress:

@@ -7,6 +7,8 @@ between steps and forward the returned outputs.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from hybridlb.config import EngineConfig
@@ -30,6 +32,7 @@ class EngineCore:
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.blocks)
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
+        self.busy_s = 0.0
 
     # -- requests in ---------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestOutput | None:
@@ -76,12 +79,15 @@ class EngineCore:
         return self.scheduler.has_work
 
     def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
         tokens = self.runner.run(chunks)
         self.num_steps += 1
-        return self._postprocess(chunks, tokens)
+        outputs = self._postprocess(chunks, tokens)
+        self.busy_s += time.perf_counter() - started
+        return outputs
 
     def _postprocess(self, chunks: list[ScheduledChunk], tokens: list[int]) -> list[RequestOutput]:
         outputs = []
@@ -114,4 +120,5 @@ class EngineCore:
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             kv_usage=round(self.blocks.usage, 4),
+            busy_s=round(self.busy_s, 3),
         )

@@ -191,7 +191,7 @@ class EngineServer:
 
     def _stats_if_changed(self) -> EngineStats | None:
         stats = self.core.stats()
-        if self.last_stats is not None and msgspec.structs.replace(self.last_stats, seq=0) == stats:
+        if self.last_stats is not None and _load(self.last_stats) == _load(stats):
             return None
         self.stats_seq += 1
         self.last_stats = msgspec.structs.replace(stats, seq=self.stats_seq)
@@ -199,6 +199,10 @@ class EngineServer:
 
     def _send(self, identity: bytes, message) -> None:
         self.outbox.send_multipart([identity, encoder.encode(message)])
+
+
+def _load(stats: EngineStats) -> tuple:
+    return stats.num_running, stats.num_waiting, stats.kv_usage, stats.dummy_steps
 
 
 def run_engine(config: EngineConfig, rank: int, address: str, torch_threads: int,

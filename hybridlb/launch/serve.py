@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import tempfile
 import time
 from multiprocessing.connection import wait
@@ -131,9 +132,13 @@ class Node:
     def _start_api_servers(self, addresses: dict[int, str], loads: str | None, timeout_s: float) -> None:
         events = []
         ports = [api.port for api in self.node.api_servers]
+        if len(ports) > len(set(ports)):  # shared port: one /metrics for all of them
+            metrics_dir = os.path.join(self.runtime_dir, "metrics")
+            os.makedirs(metrics_dir, exist_ok=True)
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
         for api in self.node.api_servers:
             spec = ApiServerSpec(tuple((rank, addresses[rank]) for rank in api.ranks), api.name, self.node.index,
-                                 self.plan.mode, loads)
+                                 self.plan.mode, loads, self.config.lb.policy)
             ready = _spawn.Event()
             process = _spawn.Process(target=run_api_server, name=f"hybridlb:{api.name}", daemon=True,
                                      args=(self.config, spec, api.host, api.port, ports.count(api.port) > 1, ready))

@@ -199,3 +199,19 @@ def test_mismatched_node_is_rejected_on_both_sides(tiny_qwen3):
     finally:
         head.stop()
         odd.stop()
+
+
+def test_several_api_servers_share_one_port_and_the_engines(tiny_qwen3):
+    (node,) = start_servers(Server(tiny_qwen3, *_dp_flags(2, 2, 0, free_port_range(4)),
+                                   "--api-servers-per-node", "2"))
+    try:
+        titles = {t for t in node.children() if t.startswith("hybridlb:api")}
+        assert titles == {"hybridlb:api:0.0", "hybridlb:api:0.1"}
+        assert burst([node.url], node.model, 60) == [200] * 60
+        answered_by = {httpx.get(f"{node.url}/ranks").json()["api_server"] for _ in range(40)}
+        assert answered_by == {"api:0.0", "api:0.1"}, "the kernel spreads connections over both"
+        served = served_per_engine(node.url)  # one scrape, whichever process answers: node totals
+        assert sum(served.values()) == 60 and set(served) == {0, 1}
+        assert all(count > 60 // 3 for count in served.values()), served
+    finally:
+        assert node.stop() == 0

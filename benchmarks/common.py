@@ -1,0 +1,105 @@
+"""Helpers the benchmark scripts share: running servers (hybridlb or vLLM) and driving them."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from hybridlb.bench.serve import BenchArgs, make_prompts, run_benchmark, summarize
+
+VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
+            "VLLM_HOST_IP": "127.0.0.1"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def vllm_executable() -> str:
+    """Install (once) and locate vLLM in its own venv."""
+    out = subprocess.run(["bash", "benchmarks/vllm_env.sh"], capture_output=True, text=True, check=True)
+    return out.stdout.strip().splitlines()[-1]
+
+
+def tree_rss_mib(pid: int) -> float:
+    """Resident memory of a process and all its descendants."""
+    total, stack = 0, [pid]
+    while stack:
+        current = stack.pop()
+        try:
+            status = Path(f"/proc/{current}/status").read_text()
+            total += int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS")))
+            for task in Path(f"/proc/{current}/task").iterdir():
+                stack += [int(c) for c in (task / "children").read_text().split()]
+        except (FileNotFoundError, StopIteration, ProcessLookupError):
+            continue
+    return total / 1024
+
+
+class Server:
+    """A server process group this script started: wait for /health, stop by its own pid."""
+
+    def __init__(self, name: str, command: list[str], port: int, model: str, env: dict | None = None):
+        self.name, self.port, self.model = name, port, model
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = open(f"/tmp/bench_{name}_{port}.log", "w")  # noqa: SIM115 - closed in stop()
+        self.process = subprocess.Popen(command, env={**os.environ, **(env or {})}, stdout=self.log,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+        self.started = time.monotonic()
+
+    @classmethod
+    def hybridlb(cls, name: str, model: str, *flags: str, port: int | None = None) -> Server:
+        port = port or free_port()
+        command = [sys.executable, "-m", "hybridlb", "serve", "--model", model, "--port", str(port),
+                   "--max-model-len", "1024", "--kv-cache-gib", "1", *flags]
+        return cls(name, command, port, model)
+
+    @classmethod
+    def vllm(cls, name: str, vllm: str, model: str, *flags: str) -> Server:
+        port = free_port()
+        command = [vllm, "serve", model, "--port", str(port), "--max-model-len", "1024", "--dtype", "float32",
+                   *flags]
+        return cls(name, command, port, model, VLLM_ENV)
+
+    def wait_ready(self, timeout_s: float = 600) -> float:
+        while time.monotonic() - self.started < timeout_s:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} exited; see {self.log.name}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return time.monotonic() - self.started
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"{self.name} not ready after {timeout_s} s")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)  # the group this script started
+                self.process.wait()
+        self.log.close()
+
+
+def drive(urls: list[str], model: str, vocab: int, input_len: int, output_len: int, num_prompts: int,
+          concurrency: int, seed: int = 1, prompts: list | None = None, max_tokens: list[int] | None = None) -> dict:
+    """Run one workload over ``urls`` (prompts spread evenly) and summarize it like bench serve."""
+    args = BenchArgs(base_url=urls[0], model=model, random_input_len=input_len, random_output_len=output_len,
+                     num_prompts=num_prompts, max_concurrency=concurrency, ignore_eos=True, progress=False,
+                     seed=seed)
+    prompts = prompts or make_prompts(args, vocab)
+    results, duration = asyncio.run(run_benchmark(args, prompts, urls=urls, max_tokens=max_tokens))
+    return summarize(args, results, duration)
