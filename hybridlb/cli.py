@@ -155,7 +155,7 @@ def _plan(cfg: Config):
     try:
         is_moe = load_spec(cfg.engine.model).is_moe
     except CheckpointError:
-        is_moe = False  # `plan` may run where the checkpoint is not
+        is_moe = None  # `plan` may run where the checkpoint is not
     try:
         plan = plan_cluster(cfg, is_moe)
     except PlanError as exc:
@@ -182,6 +182,11 @@ def serve(
     dtype: Annotated[str | None, typer.Option(help="auto, float32, bfloat16 or float16.")] = None,
     seed: Annotated[int | None, typer.Option()] = None,
     torch_threads: Annotated[int | None, typer.Option(help="Threads per engine (0: split the cores).")] = None,
+    enable_expert_parallel: Annotated[bool | None, typer.Option(
+        "--enable-expert-parallel/--no-enable-expert-parallel", help="MoE: shard experts over the DP ranks.")] = None,
+    async_dp_coordination: Annotated[bool | None, typer.Option(
+        "--async-dp-coordination/--no-async-dp-coordination",
+        help="Expert parallel: overlap the per-step metadata exchange (default on).")] = None,
     lb_policy: Annotated[str | None, typer.Option(help="least_loaded (default) or round_robin.")] = None,
     data_parallel_size: DpSize = None,
     data_parallel_size_local: DpSizeLocal = None,
@@ -201,7 +206,8 @@ def serve(
     cfg = build_config(config, model, {
         "engine": dict(max_model_len=max_model_len, max_num_seqs=max_num_seqs, device=device, dtype=dtype,
                        max_num_batched_tokens=max_num_batched_tokens, kv_cache_gib=kv_cache_gib,
-                       block_size=block_size, seed=seed, torch_threads=torch_threads),
+                       block_size=block_size, seed=seed, torch_threads=torch_threads,
+                       expert_parallel=enable_expert_parallel, async_dp_coordination=async_dp_coordination),
         "api": dict(host=host, port=port, served_model_name=served_model_name, api_key=api_key),
         **_parallel_overrides(data_parallel_size, data_parallel_size_local, data_parallel_start_rank,
                               data_parallel_rank, data_parallel_address, data_parallel_rpc_port,

@@ -57,6 +57,15 @@ class EngineConfig(_Section):
         None, description="If set and engine.model does not exist, write this random checkpoint there first."
     )
     seed: int = Field(0, description="Seed for requests that do not set their own.")
+    expert_parallel: bool = Field(
+        False, description="MoE with data parallelism: shard experts over the ranks, which then step in lockstep."
+    )
+    async_dp_coordination: bool = Field(
+        True, description="Expert parallel: overlap each step's metadata exchange with its execution."
+    )
+    dp_timeout_s: float = Field(
+        120.0, gt=0, description="Expert parallel: give up on a collective after this long (a wedged rank)."
+    )
     torch_threads: int = Field(
         0, ge=0, description="Torch intra-op threads; 0 splits this machine's cores among its engines."
     )

@@ -8,7 +8,13 @@ Protocol (the sockets are documented in ``hybridlb.protocol``):
   while stats change, and every second regardless (a heartbeat API servers can use to
   see the coordinator is alive). An idle cluster costs one wake-up a second.
 * Dense models: that is all — no waves, no messages to engines (``wave_messages`` stays
-  0). MoE wave coordination adds to this loop.
+  0).
+* MoE with expert parallelism (a ``waves_address`` is given): the coordinator also keeps
+  the wave state. ``StartWave(w)`` from a paused engine that got a request: if ``w`` is
+  newer than the current wave, or is the current one and it is not running, the wave
+  runs and ``StartWave(w)`` goes out to every other engine. ``WaveComplete(w)`` from rank
+  0 (no rank had work): the current wave becomes ``w + 1``, not running. Every wave change
+  is published to the API servers at once (they stamp new requests with it).
 """
 
 from __future__ import annotations
@@ -20,7 +26,14 @@ import msgspec
 import zmq
 
 from hybridlb import lifecycle
-from hybridlb.protocol import EngineStats, LoadSnapshot, encoder, stats_decoder
+from hybridlb.protocol import (
+    EngineStats,
+    LoadSnapshot,
+    StartWave,
+    WaveComplete,
+    encoder,
+    to_coordinator_decoder,
+)
 
 log = logging.getLogger(__name__)
 PUBLISH_INTERVAL_S = 0.1
@@ -28,7 +41,7 @@ HEARTBEAT_INTERVAL_S = 1.0
 
 
 class Coordinator:
-    def __init__(self, stats_address: str, loads_address: str, size: int):
+    def __init__(self, stats_address: str, loads_address: str, size: int, waves_address: str | None = None):
         self.size = size
         self.context = zmq.Context()
         self.stats_in = self.context.socket(zmq.PULL)
@@ -36,7 +49,16 @@ class Coordinator:
         self.loads_out = self.context.socket(zmq.PUB)
         self.loads_out.setsockopt(zmq.LINGER, 0)
         self.loads_out.bind(loads_address)
+        self.waves_out = None
+        if waves_address is not None:
+            self.waves_out = self.context.socket(zmq.PUB)
+            self.waves_out.setsockopt(zmq.LINGER, 0)
+            self.waves_out.bind(waves_address)
         self.latest: dict[int, EngineStats] = {}
+        self.current_wave = 0
+        self.running = False
+        self.wave_messages = 0
+        self.waves_completed = 0
         self.changed = False
         self.last_publish = 0.0
         self.stopping = False
@@ -44,10 +66,18 @@ class Coordinator:
 
     def receive(self, payload: bytes) -> None:
         try:
-            stats = stats_decoder.decode(payload)
+            message = to_coordinator_decoder.decode(payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            log.warning("dropped a malformed stats message (%d bytes): %s", len(payload), exc)
+            log.warning("dropped a malformed message (%d bytes): %s", len(payload), exc)
             return
+        if isinstance(message, EngineStats):
+            self._stats(message)
+        elif isinstance(message, StartWave):
+            self._start_wave(message)
+        else:
+            self._wave_complete(message)
+
+    def _stats(self, stats: EngineStats) -> None:
         if not 0 <= stats.rank < self.size:
             log.warning("dropped stats from rank %d, outside 0..%d", stats.rank, self.size - 1)
             return
@@ -56,12 +86,30 @@ class Coordinator:
             self.latest[stats.rank] = stats
             self.changed = True
 
+    def _start_wave(self, message: StartWave) -> None:
+        self.wave_messages += 1
+        if message.wave > self.current_wave or (message.wave == self.current_wave and not self.running):
+            self.current_wave, self.running = message.wave, True
+            if self.waves_out is not None:
+                self.waves_out.send(encoder.encode(message))
+            self.last_publish = 0.0  # publish the change now
+
+    def _wave_complete(self, message: WaveComplete) -> None:
+        self.wave_messages += 1
+        if message.wave >= self.current_wave:
+            self.current_wave, self.running = message.wave + 1, False
+            self.waves_completed += 1
+            self.last_publish = 0.0
+
     def due(self, now: float) -> bool:
         since = now - self.last_publish
         return (self.changed and since >= PUBLISH_INTERVAL_S) or since >= HEARTBEAT_INTERVAL_S
 
     def publish(self, now: float) -> None:
-        self.snapshot = LoadSnapshot(engines=[self.latest[r] for r in sorted(self.latest)])
+        self.snapshot = LoadSnapshot(
+            engines=[self.latest[r] for r in sorted(self.latest)], current_wave=self.current_wave,
+            engines_running=self.running, wave_messages=self.wave_messages, waves_completed=self.waves_completed,
+        )
         self.loads_out.send(encoder.encode(self.snapshot))
         self.changed = False
         self.last_publish = now
@@ -84,12 +132,12 @@ class Coordinator:
         self.context.destroy(linger=0)
 
 
-def run_coordinator(stats_address: str, loads_address: str, size: int) -> None:
+def run_coordinator(stats_address: str, loads_address: str, size: int, waves_address: str | None = None) -> None:
     """Entry point of the coordinator process."""
     lifecycle.set_title("hybridlb:coordinator")
     lifecycle.configure_logging("hybridlb:coordinator")
     lifecycle.die_with_parent()
-    coordinator = Coordinator(stats_address, loads_address, size)
+    coordinator = Coordinator(stats_address, loads_address, size, waves_address)
     lifecycle.on_terminate(lambda: setattr(coordinator, "stopping", True))
     log.info("coordinator for %d ranks: stats in %s, loads out %s", size, stats_address, loads_address)
     coordinator.run()

@@ -7,7 +7,8 @@ node under ``data_parallel.nodes`` (then ranks must cover 0..size-1 exactly).
 
 Ports on the head node (start rank 0): ``rpc_port`` handshake, ``+1`` coordinator stats
 in (engines push), ``+2`` coordinator loads out (API servers subscribe), ``+3`` torch
-distributed rendezvous (MoE). Engines that must be reachable from other nodes (internal
+distributed rendezvous and ``+4`` coordinator waves out (MoE with expert parallelism).
+Engines that must be reachable from other nodes (internal
 LB) listen on ``rpc_port + 16 + rank``; otherwise they use local IPC sockets.
 """
 
@@ -61,6 +62,7 @@ class ClusterPlan:
     complete: bool  # every node is known (a full ``nodes`` list, or a single node)
     coordinator: bool  # whether a coordinator runs at all
     remote_engines: bool  # engines listen on TCP for API servers of other nodes
+    lockstep: bool = False  # MoE experts sharded over the ranks: they step together in waves
 
     @property
     def multi_node(self) -> bool:
@@ -74,6 +76,9 @@ class ClusterPlan:
 
     def rendezvous_address(self) -> str:
         return f"tcp://{self.head_address}:{self.rpc_port + 3}"
+
+    def coordinator_waves_address(self) -> str:
+        return f"tcp://{self.head_address}:{self.rpc_port + 4}"
 
     def engine_port(self, rank: int) -> int:
         return self.rpc_port + ENGINE_PORT_OFFSET + rank
@@ -190,7 +195,7 @@ def _check_ports(plan: ClusterPlan, problems: list[str]) -> None:
     for node in plan.nodes:
         if node.is_head and (plan.multi_node or plan.coordinator):
             for offset, what in enumerate(("rpc handshake", "coordinator stats", "coordinator loads",
-                                           "torch rendezvous")):
+                                           "torch rendezvous", "coordinator waves")):
                 claim(plan.head_address, plan.rpc_port + offset, what)
         if plan.remote_engines:
             for rank in node.ranks:
@@ -199,11 +204,17 @@ def _check_ports(plan: ClusterPlan, problems: list[str]) -> None:
             claim(node.address, api.port, f"API server {api.name.split('.')[0]}")
 
 
-def plan_cluster(config: Config, is_moe: bool = False) -> ClusterPlan:
-    """Validate the topology and lay it out; raise PlanError listing every problem."""
+def plan_cluster(config: Config, is_moe: bool | None = False) -> ClusterPlan:
+    """Validate the topology and lay it out; raise PlanError listing every problem.
+
+    ``is_moe`` comes from the checkpoint (None when it cannot be read here)."""
     problems: list[str] = []
     dp = config.data_parallel
     mode = _mode(config, problems)
+    if config.engine.expert_parallel and is_moe is False:
+        problems.append("expert parallelism needs a MoE checkpoint, and this model is dense; "
+                        "drop --enable-expert-parallel")
+    lockstep = bool(is_moe) and config.engine.expert_parallel and dp.size > 1
     specs = _node_specs(config, problems)
     complete = bool(dp.nodes) or (specs[0][1] == dp.size and specs[0][0] == 0)
     if dp.rank is not None and dp.rank >= dp.size:
@@ -221,8 +232,8 @@ def plan_cluster(config: Config, is_moe: bool = False) -> ClusterPlan:
         nodes.append(NodePlan(node_index, start, ranks, headless, host, servers))
     plan = ClusterPlan(
         size=dp.size, mode=mode, head_address=dp.address, rpc_port=dp.rpc_port, nodes=tuple(nodes),
-        complete=complete, coordinator=dp.size > 1 and (is_moe or mode != "external"),
-        remote_engines=mode == "internal" and (not complete or len(nodes) > 1),
+        complete=complete, coordinator=dp.size > 1 and (lockstep or mode != "external"),
+        remote_engines=mode == "internal" and (not complete or len(nodes) > 1), lockstep=lockstep,
     )
     _check_ports(plan, problems)
     if problems:
@@ -244,7 +255,10 @@ def format_plan(plan: ClusterPlan) -> str:
         lines.append(f"coordinator: {plan.coordinator_stats_address()} (stats in), "
                      f"{plan.coordinator_loads_address()} (loads out)")
     else:
-        lines.append("coordinator: none (" + ("one rank" if plan.size == 1 else "external LB, dense") + ")")
+        lines.append("coordinator: none (" + ("one rank" if plan.size == 1 else "external LB, independent ranks") + ")")
+    if plan.lockstep:
+        lines.append(f"MoE expert parallel: experts sharded over {plan.size} ranks stepping in lockstep; "
+                     f"waves {plan.coordinator_waves_address()}, rendezvous {plan.rendezvous_address()}")
     if plan.multi_node:
         lines.append(f"rpc handshake: tcp://{plan.head_address}:{plan.rpc_port}")
     return "\n".join(lines)

@@ -29,6 +29,13 @@ Coordinator stats in — one per cluster, on the head node (``rpc_port + 1``).
     The coordinator **binds** PULL; every engine **connects** PUSH.
 
     engine → coordinator : ``EngineStats``   whenever its load changed (``seq`` counts up)
+    engine → coordinator : ``StartWave``     MoE: a paused engine got a request
+    engine → coordinator : ``WaveComplete``  MoE, rank 0: no rank had work; the wave is over
+
+Coordinator waves out — MoE with expert parallelism only (``rpc_port + 4``).
+    The coordinator **binds** PUB; every engine **connects** SUB.
+
+    coordinator → engines : ``StartWave``  resume (every engine but the one that asked)
 
 Coordinator loads out — (``rpc_port + 2``).
     The coordinator **binds** PUB; every API server **connects** SUB (no topic filter).
@@ -107,6 +114,7 @@ class AddRequest(msgspec.Struct, tag="add"):
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    wave: int = 0  # the sender's latest view of the current wave (MoE); a newer one is adopted
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -142,6 +150,25 @@ class EngineStats(msgspec.Struct, tag="stats"):
     seq: int = 0  # counts up with every change, so the newest view of an engine wins
     dummy_steps: int = 0  # steps run with no work to stay in lockstep (MoE only)
     busy_s: float = 0.0  # time spent stepping since start (rides along; a change alone is not news)
+    wave: int = 0  # expert parallel: the wave this engine is in (or will start next)
+    running: bool = False  # expert parallel: whether its wave is running
+    collective_s: float = 0.0  # expert parallel: time in the MoE layers' collectives since start
+    meta_s: float = 0.0  # expert parallel: time blocked on the per-step metadata exchange
+    steps: int = 0  # steps that ran real tokens
+
+
+class WaveComplete(msgspec.Struct, tag="wave_complete"):
+    """Rank 0, when a step found no work on any rank: wave ``wave`` is over."""
+
+    wave: int
+
+
+class StartWave(msgspec.Struct, tag="start_wave"):
+    """A paused engine got a request: wave ``wave`` must run (engine → coordinator), or
+    runs now (coordinator → every engine but ``rank``)."""
+
+    wave: int
+    rank: int
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs"):
@@ -155,6 +182,7 @@ class LoadSnapshot(msgspec.Struct, tag="loads"):
     current_wave: int = 0
     engines_running: bool = False
     wave_messages: int = 0  # wave coordination messages seen (always 0 for dense models)
+    waves_completed: int = 0
 
 
 class RegisterNode(msgspec.Struct, tag="register"):
@@ -171,7 +199,8 @@ class RegisterNode(msgspec.Struct, tag="register"):
 class NodeAccepted(msgspec.Struct, tag="accepted"):
     coordinator_stats: str | None
     coordinator_loads: str | None
-    rendezvous: str
+    rendezvous: str | None  # MoE lockstep: torch.distributed init address
+    coordinator_waves: str | None = None  # MoE lockstep: where StartWave is published
 
 
 class NodeRejected(msgspec.Struct, tag="rejected"):
@@ -194,15 +223,16 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     reason: str
 
 
-ToEngine = Hello | AddRequest | AbortRequests
+ToEngine = Hello | AddRequest | AbortRequests | StartWave
 FromEngine = EngineReady | EngineOutputs
+ToCoordinator = EngineStats | WaveComplete | StartWave
 ToHead = RegisterNode | NodeReady | Heartbeat
 FromHead = NodeAccepted | NodeRejected | ClusterReady | Heartbeat | Shutdown
 
 encoder = msgspec.msgpack.Encoder()
 to_engine_decoder = msgspec.msgpack.Decoder(ToEngine)
 from_engine_decoder = msgspec.msgpack.Decoder(FromEngine)
-stats_decoder = msgspec.msgpack.Decoder(EngineStats)
+to_coordinator_decoder = msgspec.msgpack.Decoder(ToCoordinator)
 loads_decoder = msgspec.msgpack.Decoder(LoadSnapshot)
 to_head_decoder = msgspec.msgpack.Decoder(ToHead)
 from_head_decoder = msgspec.msgpack.Decoder(FromHead)

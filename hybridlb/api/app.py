@@ -39,6 +39,9 @@ def _engine_view(engine: EngineConnection) -> dict:
         "rank": engine.rank, "alive": engine.alive, "address": engine.address,
         "num_running": stats.num_running if stats else 0, "num_waiting": stats.num_waiting if stats else 0,
         "kv_usage": stats.kv_usage if stats else 0.0, "dummy_steps": stats.dummy_steps if stats else 0,
+        "wave": stats.wave if stats else 0, "wave_running": stats.running if stats else False,
+        "collective_s": stats.collective_s if stats else 0.0, "meta_s": stats.meta_s if stats else 0.0,
+        "steps": stats.steps if stats else 0, "busy_s": stats.busy_s if stats else 0.0,
         "in_flight_here": engine.in_flight, "score": engine.score,
         "dp_group": engine.info.dp_group if engine.info else None,
     }
@@ -201,7 +204,8 @@ def create_app(config: Config, spec: ApiServerSpec, on_ready: Callable[[], None]
             "engines": [_engine_view(engine) for engine in frontend.engines],
             "cluster": [msgspec.to_builtins(stats) for stats in snapshot.engines] if snapshot else None,
             "wave": {"current": snapshot.current_wave, "running": snapshot.engines_running,
-                     "messages": snapshot.wave_messages} if snapshot else None,
+                     "messages": snapshot.wave_messages, "completed": snapshot.waves_completed}
+            if snapshot else None,
         }
 
     @app.get("/load")

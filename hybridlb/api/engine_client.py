@@ -72,13 +72,14 @@ class EngineConnection:
     def in_flight(self) -> int:
         return len(self.streams)
 
-    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> asyncio.Queue:
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+            wave: int = 0) -> asyncio.Queue:
         """Send a request; its outputs (or an EngineUnavailable) arrive on the returned queue."""
         if not self.alive:
             raise EngineUnavailable(f"engine {self.rank} is not available")
         queue: asyncio.Queue = asyncio.Queue()
         self.streams[request_id] = queue
-        self._send(AddRequest(request_id, prompt_token_ids, params))
+        self._send(AddRequest(request_id, prompt_token_ids, params, wave))
         return queue
 
     def release(self, request_id: str, abort: bool) -> None:

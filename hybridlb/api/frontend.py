@@ -44,6 +44,7 @@ class Frontend:
     def on_snapshot(self, snapshot: LoadSnapshot) -> None:
         """A coordinator snapshot: keep it, and refresh any local engine it has newer stats for."""
         self.snapshot = snapshot
+        self.metrics.update_waves(snapshot)
         for stats in snapshot.engines:
             engine = self.by_rank.get(stats.rank)
             if engine is not None:
@@ -98,7 +99,7 @@ class Frontend:
         arrival = time.perf_counter()
         engine = self.pick(rank)
         try:
-            queue = engine.add(request_id, prompt_ids, params)
+            queue = engine.add(request_id, prompt_ids, params, self.snapshot.current_wave if self.snapshot else 0)
         except EngineUnavailable as exc:
             raise APIError(503, str(exc)) from None
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)

@@ -14,7 +14,7 @@ import os
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from hybridlb.protocol import EngineStats
+from hybridlb.protocol import EngineStats, LoadSnapshot
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                     10.0, 20.0, 40.0, 80.0)
@@ -37,6 +37,14 @@ class Metrics:
                               registry=r, **gauge)
         self.busy = Gauge("hybridlb:engine_busy_seconds", "Time the engine spent stepping.", labels,
                           registry=r, **gauge)
+        self.dummy_steps = Gauge("hybridlb:dummy_steps", "MoE lockstep: steps run with no work.", labels,
+                                 registry=r, **gauge)
+        self.collective = Gauge("hybridlb:dp_collective_seconds", "MoE lockstep: time in DP collectives.",
+                                labels, registry=r, **gauge)
+        self.wave = Gauge("hybridlb:dp_current_wave", "MoE lockstep: the current wave.", ["model_name"],
+                          registry=r, **gauge)
+        self.waves_completed = Gauge("hybridlb:dp_waves_completed", "MoE lockstep: waves completed.",
+                                     ["model_name"], registry=r, **gauge)
         self.ttft = Histogram("hybridlb:time_to_first_token_seconds", "Time to first token.", labels,
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("hybridlb:inter_token_latency_seconds", "Time between streamed tokens.", labels,
@@ -66,6 +74,12 @@ class Metrics:
         self.waiting.labels(**labels).set(stats.num_waiting)
         self.kv_usage.labels(**labels).set(stats.kv_usage)
         self.busy.labels(**labels).set(stats.busy_s)
+        self.dummy_steps.labels(**labels).set(stats.dummy_steps)
+        self.collective.labels(**labels).set(stats.collective_s)
+
+    def update_waves(self, snapshot: LoadSnapshot) -> None:
+        self.wave.labels(model_name=self.model_name).set(snapshot.current_wave)
+        self.waves_completed.labels(model_name=self.model_name).set(snapshot.waves_completed)
 
     def finished(self, rank: int, reason: str, e2e_s: float, prompt_tokens: int, output_tokens: int) -> None:
         labels = self.labels(rank)

@@ -51,8 +51,8 @@ class EngineClient:
                 return message
         raise TimeoutError(f"engine did not answer Hello within {timeout_s:.0f} s")
 
-    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self._send(AddRequest(request_id, prompt_token_ids, params))
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, wave: int = 0) -> None:
+        self._send(AddRequest(request_id, prompt_token_ids, params, wave))
 
     def abort(self, request_ids: list[str]) -> None:
         self._send(AbortRequests(request_ids))

@@ -13,6 +13,7 @@ import torch
 
 from hybridlb.config import EngineConfig
 from hybridlb.engine.block_manager import BlockManager
+from hybridlb.engine.dp_context import DPContext
 from hybridlb.engine.model_runner import ModelRunner
 from hybridlb.engine.request import Request
 from hybridlb.engine.scheduler import ScheduledChunk, Scheduler
@@ -21,10 +22,11 @@ from hybridlb.protocol import EngineStats, RequestOutput, SamplingParams
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, rank: int = 0):
+    def __init__(self, config: EngineConfig, dp: DPContext | None = None):
         self.config = config
-        self.rank = rank
-        self.runner = ModelRunner(config)
+        self.dp = dp or DPContext()
+        self.rank = self.dp.rank
+        self.runner = ModelRunner(config, self.dp)
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.spec.vocab_size
         self.eos_token_ids = set(read_eos_token_ids(config.model))
@@ -79,10 +81,12 @@ class EngineCore:
         return self.scheduler.has_work
 
     def step(self) -> list[RequestOutput]:
-        started = time.perf_counter()
         chunks = self.scheduler.schedule()
-        if not chunks:
-            return []
+        return self.run_chunks(chunks) if chunks else []
+
+    def run_chunks(self, chunks: list[ScheduledChunk]) -> list[RequestOutput]:
+        """Run what ``scheduler.schedule()`` returned; sample, append, finish."""
+        started = time.perf_counter()
         tokens = self.runner.run(chunks)
         self.num_steps += 1
         outputs = self._postprocess(chunks, tokens)
@@ -121,4 +125,5 @@ class EngineCore:
             num_waiting=len(self.scheduler.waiting),
             kv_usage=round(self.blocks.usage, 4),
             busy_s=round(self.busy_s, 3),
+            steps=self.num_steps,
         )

@@ -10,6 +10,7 @@ from multiprocessing.connection import Connection
 
 from hybridlb.config import EngineConfig
 from hybridlb.engine.client import EngineClient
+from hybridlb.engine.dp_context import DPContext
 from hybridlb.engine.process import run_engine
 from hybridlb.protocol import EngineReady
 
@@ -55,11 +56,12 @@ def default_torch_threads(config: EngineConfig, local_engines: int) -> int:
 
 
 def start_engine(config: EngineConfig, rank: int, address: str, torch_threads: int,
-                 coordinator: str | None = None) -> EngineProcess:
-    """Spawn an engine; ``coordinator`` is where it pushes its load stats, if anywhere."""
+                 dp: DPContext | None = None) -> EngineProcess:
+    """Spawn the engine of ``rank``; ``dp`` says how it fits in the cluster (default: alone)."""
+    dp = dp or DPContext(rank=rank)
     reader, writer = _spawn.Pipe(duplex=False)
     process = _spawn.Process(
-        target=run_engine, args=(config, rank, address, torch_threads, writer, coordinator),
+        target=run_engine, args=(config, dp, address, torch_threads, writer),
         name=f"hybridlb:engine:{rank}", daemon=True,
     )
     process.start()

@@ -5,10 +5,13 @@ from __future__ import annotations
 import torch
 
 from hybridlb.config import EngineConfig
+from hybridlb.engine.dp_context import DPContext
 from hybridlb.engine.request import Request
 from hybridlb.engine.sampler import Sampler
 from hybridlb.engine.scheduler import ScheduledChunk
 from hybridlb.model.attention import AttentionBatch, DecodeGroup, PrefillChunk
+from hybridlb.model.expert_parallel import ExpertParallel, expert_range, init_group
+from hybridlb.model.layers import MoEBlock
 from hybridlb.model.loader import load_model
 from hybridlb.model.spec import ModelSpec, load_spec
 
@@ -39,13 +42,22 @@ def resolve_max_model_len(config: EngineConfig, spec: ModelSpec) -> int:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, experts: range | None = None):
+    def __init__(self, config: EngineConfig, dp: DPContext | None = None):
         self.device = resolve_device(config)
         self.dtype = resolve_dtype(config, self.device)
         self.spec = load_spec(config.model)
         self.max_model_len = resolve_max_model_len(config, self.spec)
         self.block_size = config.block_size
+        self.ep: ExpertParallel | None = None
+        experts = None
+        if dp is not None and dp.lockstep and self.spec.is_moe:
+            experts = expert_range(self.spec.num_experts, dp.rank, dp.size)
+            group, meta_group = init_group(dp.rendezvous, dp.rank, dp.size, self.device, config.dp_timeout_s)
+            self.ep = ExpertParallel(dp.rank, dp.size, self.device, group, meta_group, config.async_dp_coordination)
         self.model = load_model(config.model, self.spec, self.dtype, self.device, self.max_model_len, experts)
+        for module in self.model.modules():
+            if isinstance(module, MoEBlock):
+                module.ep = self.ep
         self.num_blocks = config.num_kv_blocks or self._blocks_for(config.kv_cache_gib)
         if self.num_blocks * self.block_size < self.max_model_len:
             raise ValueError(

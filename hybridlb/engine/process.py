@@ -1,11 +1,13 @@
 """The engine process: a thin ZMQ shell around EngineCore.
 
 Threads:
-* the I/O thread owns the ROUTER socket (see ``hybridlb.protocol``). It decodes what
-  front ends send into the inbox queue, and forwards what the busy loop puts in the
-  outbox (an inproc socket) to the right front end.
+* the I/O thread owns the ROUTER socket (see ``hybridlb.protocol``) and, for MoE with
+  expert parallelism, the SUB socket of the coordinator's wave messages. It decodes what
+  arrives into the inbox queue, and forwards what the busy loop puts in the outbox (an
+  inproc socket) to the right front end.
 * the main thread runs the busy loop: drain the inbox (blocking only when there is no
-  work, so an idle engine sleeps), step the core, route outputs to their senders.
+  work, so an idle engine sleeps), step the core (or, in lockstep, the wave), route
+  outputs to their senders, publish load stats when they change.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import zmq
 from hybridlb import lifecycle
 from hybridlb.config import EngineConfig
 from hybridlb.engine.core import EngineCore
+from hybridlb.engine.dp_context import DPContext
+from hybridlb.engine.lockstep import Lockstep
 from hybridlb.protocol import (
     AbortRequests,
     AddRequest,
@@ -33,6 +37,7 @@ from hybridlb.protocol import (
     EngineStats,
     Hello,
     RequestOutput,
+    StartWave,
     encoder,
     to_engine_decoder,
 )
@@ -44,7 +49,8 @@ _STOP = object()
 class _IOThread(threading.Thread):
     """Moves frames between the ROUTER socket and the busy loop's queues."""
 
-    def __init__(self, context: zmq.Context, address: str, outbox_address: str, inbox: queue.Queue):
+    def __init__(self, context: zmq.Context, address: str, outbox_address: str, inbox: queue.Queue,
+                 waves: str | None, rank: int):
         super().__init__(name="engine-io", daemon=True)
         self.router = context.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
@@ -52,12 +58,19 @@ class _IOThread(threading.Thread):
         self.router.bind(address)
         self.outbox = context.socket(zmq.PULL)
         self.outbox.bind(outbox_address)
-        self.inbox = inbox
+        self.waves = None
+        if waves is not None:
+            self.waves = context.socket(zmq.SUB)
+            self.waves.setsockopt(zmq.LINGER, 0)
+            self.waves.setsockopt(zmq.SUBSCRIBE, b"")
+            self.waves.connect(waves)
+        self.inbox, self.rank = inbox, rank
 
     def run(self) -> None:
         poller = zmq.Poller()
-        poller.register(self.router, zmq.POLLIN)
-        poller.register(self.outbox, zmq.POLLIN)
+        for sock in (self.router, self.outbox, self.waves):
+            if sock is not None:
+                poller.register(sock, zmq.POLLIN)
         while True:
             ready = dict(poller.poll())
             if self.outbox in ready:
@@ -67,8 +80,20 @@ class _IOThread(threading.Thread):
                 self.router.send_multipart(frames)
             if self.router in ready:
                 self._receive(self.router.recv_multipart())
-        self.router.close(linger=0)
-        self.outbox.close(linger=0)
+            if self.waves is not None and self.waves in ready:
+                self._wave(self.waves.recv())
+        for sock in (self.router, self.outbox, self.waves):
+            if sock is not None:
+                sock.close(linger=0)
+
+    def _wave(self, payload: bytes) -> None:
+        try:
+            message = to_engine_decoder.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.warning("dropped a malformed wave message: %s", exc)
+            return
+        if isinstance(message, StartWave) and message.rank != self.rank:
+            self.inbox.put((b"", message))
 
     def _receive(self, frames: list[bytes]) -> None:
         if len(frames) != 2:
@@ -92,18 +117,21 @@ class _Route:
 
 
 class EngineServer:
-    def __init__(self, core: EngineCore, address: str, coordinator: str | None = None):
+    def __init__(self, core: EngineCore, address: str):
         self.core = core
+        dp = core.dp
+        self.lockstep = Lockstep(core) if core.runner.ep is not None else None
         self.context = zmq.Context()
         self.coordinator = None
-        if coordinator is not None:
+        if dp.coordinator_stats is not None:
             self.coordinator = self.context.socket(zmq.PUSH)
             self.coordinator.setsockopt(zmq.LINGER, 0)
-            self.coordinator.setsockopt(zmq.SNDHWM, 16)  # stale stats are worthless: drop, never block
-            self.coordinator.connect(coordinator)
+            self.coordinator.setsockopt(zmq.SNDHWM, 64)  # a coordinator that is gone must not block us
+            self.coordinator.connect(dp.coordinator_stats)
         self.inbox: queue.Queue = queue.Queue()
         outbox_address = f"inproc://outbox-{uuid.uuid4().hex}"
-        self.io = _IOThread(self.context, address, outbox_address, self.inbox)
+        waves = dp.coordinator_waves if self.lockstep else None
+        self.io = _IOThread(self.context, address, outbox_address, self.inbox, waves, dp.rank)
         self.outbox = self.context.socket(zmq.PUSH)
         self.outbox.setsockopt(zmq.LINGER, 0)
         self.outbox.connect(outbox_address)
@@ -127,15 +155,35 @@ class EngineServer:
         try:
             while not self.stopping:
                 route = _Route({})
-                self._drain(route, block=not self.core.has_work)
-                if self.core.has_work and not self.stopping:
-                    for output in self.core.step():
-                        self._route_output(route, output)
+                self._drain(route, block=not self._busy)
+                if self.stopping:
+                    break
+                for output in self._step():
+                    self._route_output(route, output)
                 self._publish(route)
         finally:
             self.outbox.send_multipart([b"", b""])
             self.io.join(timeout=2)
             self.context.destroy(linger=0)
+
+    @property
+    def _busy(self) -> bool:
+        return self.core.has_work or (self.lockstep is not None and self.lockstep.running)
+
+    def _step(self) -> list[RequestOutput]:
+        if self.lockstep is None:
+            return self.core.step() if self.core.has_work else []
+        if not self.lockstep.running:
+            return []
+        outputs, complete = self.lockstep.step()
+        if complete is not None:
+            self._to_coordinator(complete)
+        return outputs
+
+    def _to_coordinator(self, message) -> None:
+        if self.coordinator is not None:
+            with contextlib.suppress(zmq.Again):
+                self.coordinator.send(encoder.encode(message), zmq.NOBLOCK)
 
     def _drain(self, route: _Route, block: bool) -> None:
         try:
@@ -154,8 +202,13 @@ class EngineServer:
             error = self.core.add_request(message.request_id, message.prompt_token_ids, message.params)
             if error is None:
                 self.owners[message.request_id] = identity
+                if self.lockstep is not None and (wake := self.lockstep.request_arrived(message.wave)):
+                    self._to_coordinator(wake)
             else:  # straight back to the sender: a duplicate id must not take over the owner's route
                 route.add(identity, error)
+        elif isinstance(message, StartWave):
+            if self.lockstep is not None:
+                self.lockstep.start_wave(message.wave)
         elif isinstance(message, AbortRequests):
             ids = [i for i in message.request_ids if self.owners.get(i) == identity]
             for output in self.core.abort(ids):
@@ -185,12 +238,13 @@ class EngineServer:
         for identity in self.clients if stats else route.by_client:
             outputs = route.by_client.get(identity, [])
             self._send(identity, EngineOutputs(self.core.rank, outputs, stats))
-        if stats and self.coordinator is not None:
-            with contextlib.suppress(zmq.Again):
-                self.coordinator.send(encoder.encode(stats), zmq.NOBLOCK)
+        if stats:
+            self._to_coordinator(stats)
 
     def _stats_if_changed(self) -> EngineStats | None:
         stats = self.core.stats()
+        if self.lockstep is not None:
+            stats = self.lockstep.annotate(stats)
         if self.last_stats is not None and _load(self.last_stats) == _load(stats):
             return None
         self.stats_seq += 1
@@ -202,27 +256,32 @@ class EngineServer:
 
 
 def _load(stats: EngineStats) -> tuple:
-    return stats.num_running, stats.num_waiting, stats.kv_usage, stats.dummy_steps
+    """What makes stats news (dummy steps and busy time ride along with the next change)."""
+    return stats.num_running, stats.num_waiting, stats.kv_usage, stats.wave, stats.running
 
 
-def run_engine(config: EngineConfig, rank: int, address: str, torch_threads: int,
-               errors: multiprocessing.connection.Connection | None = None,
-               coordinator: str | None = None) -> None:
+def run_engine(config: EngineConfig, dp: DPContext, address: str, torch_threads: int,
+               errors: multiprocessing.connection.Connection | None = None) -> None:
     """Entry point of an engine process: load the model, then serve until SIGTERM."""
-    title = f"hybridlb:engine:{rank}"
+    title = f"hybridlb:engine:{dp.rank}"
     lifecycle.set_title(title)
     lifecycle.configure_logging(title)
     lifecycle.die_with_parent()
     lifecycle.tune_allocator()
     torch.set_num_threads(torch_threads)
     try:
-        server = EngineServer(EngineCore(config, rank), address, coordinator)
+        server = EngineServer(EngineCore(config, dp), address)
     except Exception as exc:
-        log.error("engine %d failed to start: %s", rank, exc)
+        log.error("engine %d failed to start: %s", dp.rank, exc)
         if errors is not None:
             errors.send(f"{type(exc).__name__}: {exc}")
         raise SystemExit(1) from None
     lifecycle.on_terminate(server.stop)
-    log.info("engine %d serving at %s (%d KV blocks)", rank, address, server.core.blocks.num_blocks)
-    server.serve_forever()
-    log.info("engine %d stopped", rank)
+    log.info("engine %d serving at %s (%d KV blocks%s)", dp.rank, address, server.core.blocks.num_blocks,
+             ", experts sharded, lockstep" if server.lockstep else "")
+    try:
+        server.serve_forever()
+    except RuntimeError as exc:  # a collective failed: another rank of the group is gone
+        log.error("engine %d: the expert-parallel group broke (%s); exiting", dp.rank, exc)
+        raise SystemExit(1) from None
+    log.info("engine %d stopped", dp.rank)

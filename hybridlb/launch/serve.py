@@ -26,6 +26,7 @@ from hybridlb.api.app import ApiServerSpec
 from hybridlb.api.server import run_api_server
 from hybridlb.config import Config
 from hybridlb.coordinator import run_coordinator
+from hybridlb.engine.dp_context import DPContext
 from hybridlb.engine.launch import (
     EngineProcess,
     EngineStartError,
@@ -73,43 +74,48 @@ class Node:
 
     # -- start ------------------------------------------------------------------------
     def start(self, timeout_s: float = 600) -> None:
-        stats, loads = self._coordination()
+        shared = self._coordination()
         threads = default_torch_threads(self.config.engine, len(self.node.ranks))
         for rank in self.node.ranks:
-            self.engines.append(start_engine(self.config.engine, rank, self.engine_address(rank), threads, stats))
+            dp = DPContext(rank, self.plan.size, shared.coordinator_stats, shared.coordinator_waves, shared.rendezvous)
+            self.engines.append(start_engine(self.config.engine, rank, self.engine_address(rank), threads, dp))
         try:
             wait_until_ready(self.engines, timeout_s)
         except EngineStartError as exc:
             raise NodeStartError(str(exc)) from None
         addresses = self._barrier({e.rank: e.address for e in self.engines}, timeout_s)
-        self._start_api_servers(addresses, loads, timeout_s)
+        self._start_api_servers(addresses, shared.coordinator_loads, timeout_s)
         self.started = True
 
-    def _coordination(self) -> tuple[str | None, str | None]:
-        """Start or join what the cluster shares; return the coordinator's (stats, loads) addresses."""
+    def _coordination(self) -> NodeAccepted:
+        """Start (head) or join (other nodes) what the cluster shares; return its addresses."""
         plan = self.plan
-        stats = plan.coordinator_stats_address() if plan.coordinator else None
-        loads = plan.coordinator_loads_address() if plan.coordinator else None
+        shared = NodeAccepted(
+            coordinator_stats=plan.coordinator_stats_address() if plan.coordinator else None,
+            coordinator_loads=plan.coordinator_loads_address() if plan.coordinator else None,
+            rendezvous=plan.rendezvous_address() if plan.lockstep else None,
+            coordinator_waves=plan.coordinator_waves_address() if plan.lockstep else None,
+        )
         if self.node.is_head:
             if plan.coordinator:
-                self.coordinator = _spawn.Process(target=run_coordinator, args=(stats, loads, plan.size),
-                                                  name="hybridlb:coordinator", daemon=True)
+                args = (shared.coordinator_stats, shared.coordinator_loads, plan.size, shared.coordinator_waves)
+                self.coordinator = _spawn.Process(target=run_coordinator, args=args, name="hybridlb:coordinator",
+                                                  daemon=True)
                 self.coordinator.start()
             if self.joins_cluster:
                 own = registration(self.config, 0, len(self.node.ranks), {})
-                self.handshake = HeadHandshake(self.config, own, NodeAccepted(stats, loads, plan.rendezvous_address()))
+                self.handshake = HeadHandshake(self.config, own, shared)
                 self.handshake.start()
-            return stats, loads
+            return shared
         if not self.joins_cluster:
-            return stats, loads
+            return shared
         self.link = NodeLink(self.config)
         addresses = {rank: self.engine_address(rank) for rank in self.node.ranks}
         own = registration(self.config, self.node.start_rank, len(self.node.ranks), addresses)
         try:
-            accepted = self.link.join(own)
+            return self.link.join(own)
         except ClusterError as exc:
             raise NodeStartError(str(exc)) from None
-        return accepted.coordinator_stats, accepted.coordinator_loads
 
     def _barrier(self, local: dict[int, str], timeout_s: float) -> dict[int, str]:
         """Wait until every rank of the cluster is up; return the engine address of each rank."""

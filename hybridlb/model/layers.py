@@ -110,6 +110,7 @@ class MoEBlock(nn.Module):
         self.num_experts = num_experts
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
+        self.ep = None  # ExpertParallel when the experts are sharded over the data-parallel ranks
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert ids [T, k] and their weights [T, k] (in x's dtype) for each token."""
@@ -120,6 +121,8 @@ class MoEBlock(nn.Module):
         return experts, weights.to(x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ep is not None:
+            return self.ep.dispatch_combine(self, x)
         experts, weights = self.route(x)
         return self.run_experts(x, experts, weights)
 

@@ -8,7 +8,7 @@ from hybridlb.config import parse_config
 from hybridlb.plan import PlanError, format_plan, plan_cluster
 
 
-def _plan(is_moe: bool = False, **sections):
+def _plan(is_moe: bool | None = False, **sections):
     data = {"engine": {"model": "m"}}
     for key, value in sections.items():
         section, field = key.split("__")
@@ -51,7 +51,11 @@ def test_external_mode_one_server_per_rank_and_no_coordinator_for_dense():
     plan = _plan(data_parallel__size=2, lb__mode="external", api__port=9000)
     assert [(a.port, a.ranks) for a in plan.nodes[0].api_servers] == [(9000, (0,)), (9001, (1,))]
     assert not plan.coordinator
-    assert _plan(is_moe=True, data_parallel__size=2, lb__mode="external").coordinator
+    # MoE without expert parallelism runs its ranks independently too; with it, they step
+    # in lockstep and need the coordinator's waves whatever the LB mode.
+    assert not _plan(is_moe=True, data_parallel__size=2, lb__mode="external").coordinator
+    lockstep = _plan(is_moe=True, data_parallel__size=2, lb__mode="external", engine__expert_parallel=True)
+    assert lockstep.coordinator and lockstep.lockstep
     by_rank = _plan(data_parallel__size=4, data_parallel__rank=3)
     assert by_rank.mode == "external" and by_rank.nodes[0].ranks == (3,)
 
@@ -96,6 +100,7 @@ def test_full_cluster_listing():
      "both claim rank 1"),
     ({"data_parallel__size": 4, "data_parallel__nodes": [{"size_local": 2}, {"size_local": 1}]},
      "no node runs rank(s) 3"),
+    ({"data_parallel__size": 2, "engine__expert_parallel": True}, "expert parallelism needs a MoE checkpoint"),
 ])
 def test_each_invalid_combination_names_the_problem_and_fix(sections, expected):
     problems = _problems(**sections)
