@@ -36,3 +36,7 @@ bench-vllm:
 # Data-parallel overhead and balance quality, vLLM's DP modes alongside.
 bench-dp:
     {{venv}}/python benchmarks/dp_overhead.py
+
+# MoE lockstep: coordination cost (sync vs async metadata) and dummy steps under skew.
+bench-moe:
+    {{venv}}/python benchmarks/moe_waves.py

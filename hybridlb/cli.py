@@ -236,11 +236,14 @@ def plan(
     headless: Headless = None,
     lb_mode: LbMode = None,
     api_servers_per_node: ApiServers = None,
+    enable_expert_parallel: Annotated[bool | None, typer.Option(
+        "--enable-expert-parallel/--no-enable-expert-parallel", help="MoE: shard experts over the DP ranks.")] = None,
 ):
     """Print the rank map (nodes → ranks → API servers → ports), or every problem with its fix."""
     from hybridlb.plan import format_plan
 
     cfg = build_config(config, model or ("(none)" if config is None else None), {
+        "engine": dict(expert_parallel=enable_expert_parallel),
         "api": dict(host=host, port=port),
         **_parallel_overrides(data_parallel_size, data_parallel_size_local, data_parallel_start_rank,
                               data_parallel_rank, data_parallel_address, data_parallel_rpc_port,
