@@ -16,7 +16,11 @@ test *args:
 lint:
     {{venv}}/ruff check .
 
-# Serve the default config on http://127.0.0.1:8000/v1.
+# Bring up the default config on a local Ray cluster: http://127.0.0.1:8000/v1.
+up:
+    {{venv}}/hybridlb up configs/local.yaml
+
+# The same node without Ray.
 serve:
     {{venv}}/hybridlb serve --config configs/local.yaml
 

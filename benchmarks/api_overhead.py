@@ -18,27 +18,20 @@ import json
 import multiprocessing
 import os
 import random
-import socket
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import zmq
 import zmq.asyncio
+from common import checkpoint, free_port
 
+from hybridlb.api.app import ApiServerSpec
 from hybridlb.api.server import run_api_server
 from hybridlb.bench.serve import BenchArgs, run_benchmark, summarize
 from hybridlb.config import ApiConfig, Config, EngineConfig
 from hybridlb.engine.launch import start_engine, stop_engines, wait_until_ready
-from hybridlb.model.make_model import make_model
 from hybridlb.protocol import AddRequest, EngineOutputs, Hello, SamplingParams, encoder, from_engine_decoder
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def direct(address: str, prompts: list[list[int]], output_len: int, concurrency: int) -> float:
@@ -80,16 +73,14 @@ def start_node(model: str, port: int, threads: int):
                     api=ApiConfig(port=port, served_model_name="bench"))
     engine = start_engine(config.engine, 0, f"ipc://{runtime}/engine-0", torch_threads=threads)
     wait_until_ready([engine])
-    api = multiprocessing.get_context("spawn").Process(target=run_api_server, args=(config, [(0, engine.address)]))
+    spawn = multiprocessing.get_context("spawn")
+    ready = spawn.Event()
+    spec = ApiServerSpec(((0, engine.address),))
+    api = spawn.Process(target=run_api_server, args=(config, spec, "127.0.0.1", port, False, ready))
     api.start()
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(300):
-        try:
-            if httpx.get(f"{url}/health").status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    return engine, api, url
+    if not ready.wait(120):
+        raise RuntimeError("the API server did not come up")
+    return engine, api, f"http://127.0.0.1:{port}"
 
 
 def overhead_phase(model: str, args) -> dict:
@@ -143,21 +134,23 @@ def main() -> None:
     parser.add_argument("--engine-threads", type=int, default=os.cpu_count() or 1,
                         help="torch threads of the engine (default: every core, as serve gives one engine)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/api_overhead.json"))
+    parser.add_argument("--quick", action="store_true", help="tiny model, few requests: checks the script works")
     args = parser.parse_args()
-    models = {}
-    for size in {args.size, "tiny"}:
-        path = args.models_dir / f"{size}-qwen3"
-        if not (path / "config.json").exists():
-            make_model("qwen3", size, path)
-        models[size] = str(path)
+    chunk_prompts, chunk_concurrency = 512, 256
+    if args.quick:
+        args.size, args.num_prompts, args.concurrency, args.output_len = "tiny", 16, 4, 8
+        chunk_prompts, chunk_concurrency = 32, 8
+    models = {size: checkpoint(args.models_dir, "qwen3", size) for size in {args.size, "tiny"}}
     overhead = overhead_phase(models[args.size], args)
-    chunks = chunk_rate_phase(models["tiny"], concurrency=256, num_prompts=512, threads=args.engine_threads)
+    chunks = chunk_rate_phase(models["tiny"], concurrency=chunk_concurrency, num_prompts=chunk_prompts,
+                              threads=args.engine_threads)
     print(f"\n{'path':<28}{'output tok/s (2 runs)':>28}")
     print(f"{'HTTP + API server':<28}{', '.join(f'{v:.0f}' for v in overhead['http_tok_s']):>28}")
     print(f"{'direct to engine (ZMQ)':<28}{', '.join(f'{v:.0f}' for v in overhead['direct_tok_s']):>28}")
     print(f"ratio (best HTTP / best direct) at concurrency {args.concurrency}, {args.size}: "
           f"{overhead['ratio_best']:.3f}")
-    print(f"one API server process: {chunks['chunks_per_s']:.0f} streamed chunks/s at concurrency 256 "
+    print(f"one API server process: {chunks['chunks_per_s']:.0f} streamed chunks/s at concurrency "
+          f"{chunks['concurrency']} "
           f"(tiny model), API server CPU {chunks['api_server_cpu']:.0%} of a core")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"size": args.size, "concurrency": args.concurrency,

@@ -14,9 +14,18 @@ from pathlib import Path
 import httpx
 
 from hybridlb.bench.serve import BenchArgs, make_prompts, run_benchmark, summarize
+from hybridlb.model.make_model import make_model
 
 VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
             "VLLM_HOST_IP": "127.0.0.1"}
+
+
+def checkpoint(models_dir: Path, arch: str, size: str) -> str:
+    """The random-weight checkpoint the benchmarks share, made on first use."""
+    path = models_dir / f"{size}-{arch}"
+    if not (path / "config.json").exists():
+        make_model(arch, size, path, seed=0)
+    return str(path)
 
 
 def free_port() -> int:

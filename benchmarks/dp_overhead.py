@@ -21,9 +21,8 @@ import re
 from pathlib import Path
 
 import httpx
-from common import Server, drive, free_port, vllm_executable
+from common import Server, checkpoint, drive, free_port, vllm_executable
 
-from hybridlb.model.make_model import make_model
 from hybridlb.model.tokenizer import Tokenizer
 
 INPUT, OUTPUT, PROMPTS, CONCURRENCY = 32, 64, 200, 16
@@ -60,6 +59,8 @@ def skewed(model: str, policy: str, vocab: int) -> dict:
     max_tokens = [192 if i % 4 == 0 else 16 for i in range(count)]
     try:
         server.wait_ready()
+        # Warm up on the same shapes: first-touch of KV and activation memory must not count.
+        drive([server.url], model, vocab, 0, 0, count, 16, prompts=prompts, max_tokens=max_tokens)
         before = busy_seconds(server.url)
         s = drive([server.url], model, vocab, 0, 0, count, 16, prompts=prompts, max_tokens=max_tokens)
         after = busy_seconds(server.url)
@@ -82,9 +83,7 @@ def main() -> None:
     parser.add_argument("--skip-vllm", action="store_true")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/dp_overhead.json"))
     args = parser.parse_args()
-    model = str(args.models_dir / f"{args.size}-qwen3")
-    if not Path(model, "config.json").exists():
-        make_model("qwen3", args.size, model)
+    model = checkpoint(args.models_dir, "qwen3", args.size)
     vocab = Tokenizer(model).vocab_size
     print(f"\n1. overhead: {PROMPTS} prompts, {INPUT} in / {OUTPUT} out, concurrency {CONCURRENCY}, {args.size} qwen3")
     rows = [

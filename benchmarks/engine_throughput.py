@@ -23,18 +23,11 @@ import time
 from pathlib import Path
 
 import torch
+from common import checkpoint
 
 from hybridlb import LLM, SamplingParams
-from hybridlb.model.make_model import make_model
 
 ARCHES = {"dense": "qwen3", "moe": "qwen3_moe"}
-
-
-def checkpoint(models_dir: Path, arch: str) -> str:
-    path = models_dir / f"small-{arch}"
-    if not (path / "config.json").exists():
-        make_model(arch, "small", path, seed=0)
-    return str(path)
 
 
 def mixed_workload(n: int, seed: int, vocab: int) -> list[tuple[list[int], int]]:
@@ -151,7 +144,7 @@ def main() -> None:
     torch.set_num_threads(os.cpu_count() or 1)
     results = []
     for kind in args.models.split(","):
-        path = checkpoint(args.models_dir, ARCHES[kind])
+        path = checkpoint(args.models_dir, ARCHES[kind], "small")
         results.append(bench_model(ARCHES[kind], path, args))
     print_table(results)
     args.out.parent.mkdir(parents=True, exist_ok=True)

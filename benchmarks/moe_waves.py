@@ -20,10 +20,9 @@ import random
 from pathlib import Path
 
 import httpx
-from common import Server, drive, free_port
+from common import Server, checkpoint, drive, free_port
 
 from hybridlb.bench.serve import BenchArgs, make_prompts
-from hybridlb.model.make_model import make_model
 from hybridlb.model.tokenizer import Tokenizer
 
 INPUT, OUTPUT, PROMPTS, CONCURRENCY = 16, 128, 64, 16
@@ -105,9 +104,7 @@ def main() -> None:
     parser.add_argument("--models-dir", type=Path, default=Path("models"))
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/moe_waves.json"))
     args = parser.parse_args()
-    model = str(args.models_dir / f"{args.size}-qwen3_moe")
-    if not Path(model, "config.json").exists():
-        make_model("qwen3_moe", args.size, model)
+    model = checkpoint(args.models_dir, "qwen3_moe", args.size)
     vocab = Tokenizer(model).vocab_size
     print(f"\n{args.size} qwen3_moe, {PROMPTS} prompts, {INPUT} in / {OUTPUT} out, concurrency {CONCURRENCY}")
     rows = [

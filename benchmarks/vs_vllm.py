@@ -19,9 +19,8 @@ import os
 import subprocess
 from pathlib import Path
 
-from common import VLLM_ENV, Server, drive, tree_rss_mib, vllm_executable
+from common import VLLM_ENV, Server, checkpoint, drive, tree_rss_mib, vllm_executable
 
-from hybridlb.model.make_model import make_model
 from hybridlb.model.tokenizer import Tokenizer
 
 WORKLOADS = [(32, 64, 16), (32, 64, 64), (256, 128, 16), (256, 128, 64)]  # input, output, concurrency
@@ -65,9 +64,7 @@ def main() -> None:
     vllm = vllm_executable()
     report: dict = {"workloads": WORKLOADS, "results": {}}
     for size in args.sizes.split(","):
-        model = str(args.models_dir / f"{size}-qwen3")
-        if not Path(model, "config.json").exists():
-            make_model("qwen3", size, model)
+        model = checkpoint(args.models_dir, "qwen3", size)
         tokenizer = Tokenizer(model)
         rows = []
         print(f"\n{size} qwen3, {args.num_prompts} prompts per workload")

@@ -14,6 +14,8 @@ from hybridlb.config import Config, ConfigError, EngineConfig, load_config, pars
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, pretty_exceptions_enable=False)
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmark clients.")
 app.add_typer(bench_app, name="bench")
+render_app = typer.Typer(no_args_is_help=True, help="Render the cluster for other platforms.")
+app.add_typer(render_app, name="render")
 
 
 def _fail(message: str) -> None:
@@ -251,6 +253,86 @@ def plan(
     })
     cluster, _ = _plan(cfg)
     typer.echo(format_plan(cluster))
+
+
+def _whole_cluster(config: Path, overrides: dict) -> tuple[Config, object]:
+    cfg = build_config(config, None, overrides)
+    ensure_checkpoint(cfg.engine)
+    plan, _ = _plan(cfg)
+    return cfg, plan
+
+
+@app.command()
+def up(
+    config: Annotated[Path, typer.Argument(help="YAML config describing the whole cluster.")],
+    address: Annotated[str | None, typer.Option(help="Ray cluster: 'auto' or HOST:PORT (default: start one).")] = None,
+    detach: Annotated[bool, typer.Option(help="Leave the cluster running after this command exits.")] = False,
+    name: Annotated[str | None, typer.Option(help="Cluster name (default: ray.name, 'default').")] = None,
+):
+    """Place the cluster on Ray: per node an API server and its engines, one coordinator."""
+    from hybridlb.launch.ray_up import UpError
+    from hybridlb.launch.ray_up import up as ray_up
+
+    cfg, plan = _whole_cluster(config, {"ray": dict(address=address, name=name)})
+    try:
+        code = ray_up(cfg, plan, detach)
+    except UpError as exc:
+        _fail(str(exc))
+    raise typer.Exit(code)
+
+
+@app.command()
+def status(
+    name: Annotated[str, typer.Argument(help="Cluster name given to `hybridlb up`.")] = "default",
+    address: Annotated[str | None, typer.Option(help="Ray cluster address (default: auto).")] = None,
+    namespace: Annotated[str, typer.Option()] = "hybridlb",
+):
+    """Every actor of a cluster started with `hybridlb up`: state, node and load."""
+    from hybridlb.launch.ray_up import status as ray_status
+
+    rows = ray_status(name, address, namespace)
+    if not rows:
+        _fail(f"no cluster named {name!r} in namespace {namespace!r}")
+    typer.echo(f"{'actor':<36}{'state':<12}{'node':<14}load")
+    for row in rows:
+        typer.echo(f"{row['name']:<36}{row['state']:<12}{row['node']:<14}{row['load']}")
+
+
+@app.command()
+def down(
+    name: Annotated[str, typer.Argument(help="Cluster name given to `hybridlb up`.")] = "default",
+    address: Annotated[str | None, typer.Option(help="Ray cluster address (default: auto).")] = None,
+    namespace: Annotated[str, typer.Option()] = "hybridlb",
+):
+    """Stop every actor of a cluster and release its placement group."""
+    from hybridlb.launch.ray_up import down as ray_down
+
+    if ray_down(name, address, namespace):
+        _fail(f"no cluster named {name!r} in namespace {namespace!r}")
+
+
+@render_app.command("k8s")
+def render_k8s(
+    config: Annotated[Path, typer.Argument(help="YAML config describing the whole cluster.")],
+    image: Annotated[str, typer.Option(help="Container image with hybridlb and the model.")] = "hybridlb:latest",
+    out: Annotated[Path | None, typer.Option(help="Write here instead of stdout.")] = None,
+):
+    """A LeaderWorkerSet manifest: one pod per node running `hybridlb serve`, a Service per node."""
+    from hybridlb.launch.k8s import RenderError, render
+
+    cfg = build_config(config, None, {})
+    plan, _ = _plan(cfg)
+    if not plan.complete:
+        _fail("rendering needs the whole cluster: list every node under data_parallel.nodes")
+    try:
+        manifest = render(cfg, plan, image)
+    except RenderError as exc:
+        _fail(str(exc))
+    if out is None:
+        typer.echo(manifest, nl=False)
+    else:
+        out.write_text(manifest)
+        typer.echo(f"wrote {out}")
 
 
 @bench_app.command("serve")

@@ -104,8 +104,11 @@ class NodeConfig(_Section):
     size_local: int = Field(ge=1, description="Data-parallel ranks (engines) on this node.")
     start_rank: int | None = Field(None, ge=0, description="First global rank; default: after the previous node.")
     headless: bool = Field(False, description="Engines only, no API server on this node.")
-    address: str | None = Field(None, description="Address other nodes reach this node at.")
+    address: str | None = Field(None, description="Address other nodes reach this node at (Ray: its node IP).")
     api_port: int | None = Field(None, ge=0, le=65535, description="HTTP port on this node; default api.port.")
+    ray_resource: str | None = Field(
+        None, description="Ray: a custom resource only this node has, to pin this node's bundle to it."
+    )
 
 
 class DataParallelConfig(_Section):
@@ -152,6 +155,23 @@ class LoadBalancingConfig(_Section):
         return self
 
 
+class RayConfig(_Section):
+    """How ``hybridlb up`` places the cluster on Ray."""
+
+    address: str | None = Field(
+        None, description="Ray cluster to join ('auto' or HOST:PORT); none starts a private local one."
+    )
+    name: str = Field("default", pattern=r"^[A-Za-z0-9_.-]+$", description="Cluster name in actor names.")
+    namespace: str = Field("hybridlb", description="Ray namespace of every actor.")
+    restart_policy: Literal["none", "restart"] = Field(
+        "none", description="What Ray does when an engine actor dies: leave it dead, or restart it (MoE: the group)."
+    )
+    cpus_per_engine: float = Field(1.0, gt=0, description="Logical CPUs reserved per engine actor.")
+    cpus_per_api_server: float = Field(1.0, ge=0, description="Logical CPUs reserved per API server actor.")
+    gpus_per_engine: float | None = Field(None, ge=0, description="GPUs per engine; default 1 on cuda, else 0.")
+    ready_timeout_s: float = Field(600, gt=0, description="How long to wait for every actor to be ready.")
+
+
 class Config(_Section):
     """The whole hybridlb configuration."""
 
@@ -161,6 +181,7 @@ class Config(_Section):
         default_factory=DataParallelConfig, description="Ranks, nodes and their wiring."
     )
     lb: LoadBalancingConfig = Field(default_factory=LoadBalancingConfig, description="Load-balancing mode.")
+    ray: RayConfig = Field(default_factory=RayConfig, description="Placement on Ray (hybridlb up).")
 
     @property
     def served_model_name(self) -> str:

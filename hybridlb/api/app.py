@@ -126,10 +126,12 @@ async def _follow_coordinator(context: zmq.asyncio.Context, address: str, fronte
         sub.close(linger=0)
 
 
-def create_app(config: Config, spec: ApiServerSpec, on_ready: Callable[[], None] | None = None) -> FastAPI:
-    """An API server over the engines in ``spec``; ``on_ready`` runs once they all are."""
+def create_app(config: Config, spec: ApiServerSpec, on_ready: Callable[[], None] | None = None,
+               observer=None) -> FastAPI:
+    """An API server over the engines in ``spec``; ``on_ready`` runs once they all are;
+    ``observer`` mirrors metrics elsewhere (see ``Metrics``)."""
     name = config.served_model_name
-    metrics = Metrics(name)
+    metrics = Metrics(name, observer)
     tokenizer = Tokenizer(config.engine.model)
     state: dict[str, Frontend] = {}
 

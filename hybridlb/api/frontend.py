@@ -115,7 +115,7 @@ class Frontend:
                 now = time.perf_counter()
                 if output.new_token_ids:
                     if last_token_at is None:
-                        self.metrics.ttft.labels(**labels).observe(now - arrival)
+                        self.metrics.first_token(engine.rank, now - arrival)
                     else:
                         self.metrics.itl.labels(**labels).observe(now - last_token_at)
                     last_token_at = now

@@ -22,7 +22,9 @@ _TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0
 
 
 class Metrics:
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, observer=None):
+        # observer: also told of first tokens, finishes and engine stats (the Ray dashboard mirror)
+        self.observer = observer
         self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
         # In multiprocess mode values live in files and a collector reads them all at scrape time.
         self.registry = CollectorRegistry()
@@ -69,6 +71,8 @@ class Metrics:
             self.success.labels(**self.labels(rank), finished_reason=reason)
 
     def update_stats(self, stats: EngineStats) -> None:
+        if self.observer is not None:
+            self.observer.engine_stats(stats)
         labels = self.labels(stats.rank)
         self.running.labels(**labels).set(stats.num_running)
         self.waiting.labels(**labels).set(stats.num_waiting)
@@ -81,7 +85,14 @@ class Metrics:
         self.wave.labels(model_name=self.model_name).set(snapshot.current_wave)
         self.waves_completed.labels(model_name=self.model_name).set(snapshot.waves_completed)
 
+    def first_token(self, rank: int, seconds: float) -> None:
+        self.ttft.labels(**self.labels(rank)).observe(seconds)
+        if self.observer is not None:
+            self.observer.first_token(rank, seconds)
+
     def finished(self, rank: int, reason: str, e2e_s: float, prompt_tokens: int, output_tokens: int) -> None:
+        if self.observer is not None:
+            self.observer.finished(rank, reason)
         labels = self.labels(rank)
         self.success.labels(**labels, finished_reason=reason).inc()
         self.e2e.labels(**labels).observe(e2e_s)

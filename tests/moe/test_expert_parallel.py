@@ -116,12 +116,18 @@ def test_a_request_stamped_with_a_stale_wave_completes(ep2):
     wait_paused(ep2)
 
 
-def test_ep_over_two_nodes_balances_200_requests(checkpoints):
-    model = checkpoints("qwen3_moe")
+def ep_two_nodes(model: str) -> tuple[Server, Server]:
+    """DP=4 with sharded experts as two `hybridlb serve` nodes of two ranks each."""
     rpc = free_port_range(8)
     head = Server(model, *_dp_flags(4, 2, 0, rpc), "--enable-expert-parallel")
     worker = Server(model, *_dp_flags(4, 2, 2, rpc), "--enable-expert-parallel")
     start_servers(head, worker)
+    return head, worker
+
+
+def test_ep_over_two_nodes_balances_200_requests(checkpoints):
+    model = checkpoints("qwen3_moe")
+    head, worker = ep_two_nodes(model)
     try:
         assert burst([head.url, worker.url], model, 200) == [200] * 200
         for node, ranks in ((head, {0, 1}), (worker, {2, 3})):
@@ -135,14 +141,11 @@ def test_ep_over_two_nodes_balances_200_requests(checkpoints):
 
 def test_killing_one_moe_rank_fails_every_in_flight_request_fast(checkpoints):
     model = checkpoints("qwen3_moe")
-    rpc = free_port_range(8)
-    head = Server(model, *_dp_flags(4, 2, 0, rpc), "--enable-expert-parallel")
-    worker = Server(model, *_dp_flags(4, 2, 2, rpc), "--enable-expert-parallel")
-    start_servers(head, worker)
+    head, worker = ep_two_nodes(model)
     try:
         async def stream(client: httpx.AsyncClient, url: str, rank: int) -> str:
-            body = {"model": model, "prompt": "Long story", "max_tokens": 400, "stream": True, **{
-                "temperature": 0, "ignore_eos": True}}
+            body = {"model": model, "prompt": "Long story", "max_tokens": 400, "stream": True, "temperature": 0,
+                    "ignore_eos": True}
             last = ""
             async with client.stream("POST", f"{url}/v1/completions", json=body,
                                      headers={"X-data-parallel-rank": str(rank)}) as response:

@@ -1,0 +1,152 @@
+"""The Ray actors of ``hybridlb up``: thin shells that run the same components as
+``hybridlb serve`` (EngineServer, the FastAPI app, Coordinator) in a thread of the actor
+process, speaking the same wire protocol. Each binds its sockets itself and reports the
+addresses it got, so ports never collide. Classes are named for their role and have a
+``__repr__`` with role, rank and node, which the Ray dashboard shows.
+
+Heavy imports happen inside the actors, so an API server actor never imports torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import tempfile
+import threading
+
+import ray
+
+
+def _node_ip() -> str:
+    return ray.util.get_node_ip_address()
+
+
+def _runtime_dir(cluster: str) -> str:
+    path = os.path.join(tempfile.gettempdir(), f"hybridlb-ray-{cluster}")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+@ray.remote
+class Coordinator:
+    def __init__(self, cluster: str, size: int, lockstep: bool):
+        from hybridlb.coordinator import Coordinator as CoordinatorLoop
+
+        ip = _node_ip()
+        waves = f"tcp://{ip}:*" if lockstep else None
+        self.loop = CoordinatorLoop(f"tcp://{ip}:*", f"tcp://{ip}:*", size, waves)
+        self.cluster, self.size = cluster, size
+        self.rendezvous = None
+        if lockstep:  # the torch.distributed store of rank 0 listens here
+            with socket.socket() as s:
+                s.bind((ip, 0))
+                self.rendezvous = f"tcp://{ip}:{s.getsockname()[1]}"
+        self.thread = threading.Thread(target=self.loop.run, name="coordinator", daemon=True)
+        self.thread.start()
+
+    def addresses(self) -> dict:
+        import zmq
+
+        def endpoint(sock) -> str | None:
+            return sock.getsockopt_string(zmq.LAST_ENDPOINT) if sock is not None else None
+
+        return {"stats": endpoint(self.loop.stats_in), "loads": endpoint(self.loop.loads_out),
+                "waves": endpoint(self.loop.waves_out), "rendezvous": self.rendezvous}
+
+    def snapshot(self) -> dict:
+        import msgspec
+
+        return msgspec.to_builtins(self.loop.snapshot)
+
+    def stop(self) -> None:
+        self.loop.stopping = True
+        self.thread.join(3)
+
+    def __repr__(self) -> str:
+        return f"coordinator cluster={self.cluster} ranks={self.size}"
+
+
+@ray.remote
+class Engine:
+    def __init__(self, cluster: str, config, dp, node: int, port: int | None, threads: int):
+        """``port``: listen there on the node's IP (API servers on other nodes use it); else IPC.
+        A restarted engine binds the same address, so its API servers reconnect on their own."""
+        import torch
+
+        from hybridlb import lifecycle
+        from hybridlb.engine.core import EngineCore
+        from hybridlb.engine.process import EngineServer
+
+        lifecycle.tune_allocator()
+        torch.set_num_threads(threads)
+        self.rank, self.node, self.cluster = dp.rank, node, cluster
+        address = f"tcp://{_node_ip()}:{port}" if port else f"ipc://{_runtime_dir(cluster)}/engine-{dp.rank}"
+        self.server = EngineServer(EngineCore(config, dp), address)
+        self.thread = threading.Thread(target=self._serve, name="engine", daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        try:
+            self.server.serve_forever()
+        except Exception as exc:  # e.g. the expert-parallel group broke: let Ray see this actor die
+            logging.getLogger(__name__).error("engine %d failed: %s; exiting the actor", self.rank, exc)
+            os._exit(1)
+
+    def address(self) -> str:
+        import zmq
+
+        return self.server.io.router.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def stats(self) -> dict:
+        import msgspec
+
+        stats = self.server.last_stats or self.server.core.stats()
+        return {**msgspec.to_builtins(stats), "alive": self.thread.is_alive()}
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def stop(self) -> None:
+        self.server.stop()
+        self.thread.join(5)
+
+    def __repr__(self) -> str:
+        return f"engine rank={self.rank} node={self.node} cluster={self.cluster}"
+
+
+@ray.remote
+class ApiServer:
+    def __init__(self, cluster: str, config, spec, host: str, port: int, shared_port: bool):
+        import uvicorn
+
+        from hybridlb.api.app import create_app
+        from hybridlb.api.server import listen
+        from hybridlb.launch.ray_metrics import RayMetricsMirror
+
+        self.cluster, self.spec, self.port = cluster, spec, port
+        self.ready_event = threading.Event()
+        self.mirror = RayMetricsMirror(cluster, spec.name)
+        app = create_app(config, spec, on_ready=self.ready_event.set, observer=self.mirror)
+        self.sock = listen(host, port, shared_port)
+        self.host = _node_ip() if host in ("0.0.0.0", "::") else host
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level=config.api.log_level, access_log=False,
+                                                    timeout_graceful_shutdown=3))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        return self.ready_event.wait(timeout_s)
+
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(5)
+
+    def __repr__(self) -> str:
+        return f"api {self.spec.name} node={self.spec.node} ranks={[r for r, _ in self.spec.engines]}"

@@ -1,0 +1,112 @@
+"""`hybridlb up` on a real three-node Ray cluster (three raylets on this machine)."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+import ray
+
+from hybridlb.config import parse_config
+from hybridlb.launch.ray_up import RayCluster, UpError, down, status, up
+from hybridlb.plan import plan_cluster
+from tests.dp.test_clusters import burst, served_per_engine
+from tests.ray.conftest import NODE_RESOURCES
+from tests.servers import free_port
+
+
+def three_node_config(model: str, name: str, **extra_engine) -> dict:
+    return {
+        "engine": {"model": model, "max_model_len": 512, "kv_cache_gib": 0.05, "torch_threads": 1, **extra_engine},
+        "data_parallel": {"size": 6, "rpc_port": free_port(), "nodes": [
+            {"size_local": 2, "api_port": free_port(), "ray_resource": resource} for resource in NODE_RESOURCES]},
+        "ray": {"name": name, "cpus_per_engine": 1, "cpus_per_api_server": 1, "ready_timeout_s": 120},
+    }
+
+
+def start(data: dict) -> RayCluster:
+    config = parse_config(data)
+    cluster = RayCluster(config, plan_cluster(config, is_moe=False), detached=False)
+    try:
+        cluster.start()
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
+@pytest.fixture(scope="module")
+def three(ray_cluster, tiny_qwen3):
+    cluster = start(three_node_config(tiny_qwen3, "three"))
+    yield cluster
+    cluster.stop()
+
+
+def test_one_api_server_and_its_engines_on_each_node(three):
+    api_nodes = ray.get([api.node_id.remote() for _, api in three.apis])
+    assert len(set(api_nodes)) == 3, "each node gets exactly one API server"
+    for (node, _), api_node in zip(three.apis, api_nodes, strict=True):
+        engine_nodes = ray.get([three.engines[rank].node_id.remote() for rank in node.ranks])
+        assert set(engine_nodes) == {api_node}, f"node {node.index}'s engines run elsewhere"
+
+
+def test_every_node_answers_and_balances_over_its_own_engines(three):
+    urls = ray.get([api.url.remote() for _, api in three.apis])
+    model = three.config.served_model_name
+    assert burst(urls, model, 90) == [200] * 90
+    for (node, _), url in zip(three.apis, urls, strict=True):
+        served = served_per_engine(url)
+        assert set(served) == set(node.ranks) and sum(served.values()) == 30
+        assert all(count > 30 // 3 for count in served.values()), served
+
+
+def test_state_api_lists_the_documented_names(three):
+    rows = status("three", None, "hybridlb")
+    names = {row["name"] for row in rows}
+    expected = {f"hybridlb:three:engine:{r}" for r in range(6)} | {f"hybridlb:three:api:{n}" for n in range(3)}
+    assert expected | {"hybridlb:three:coordinator"} == names
+    assert all(row["state"] == "ALIVE" for row in rows)
+    assert all("running" in row["load"] for row in rows if ":engine:" in row["name"])
+
+
+def test_a_dead_engine_fails_its_node_only(ray_cluster, tiny_qwen3):
+    cluster = start(three_node_config(tiny_qwen3, "deaths"))
+    try:
+        urls = ray.get([api.url.remote() for _, api in cluster.apis])
+        ray.kill(cluster.engines[1], no_restart=True)
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{urls[0]}/health").status_code != 503:
+            assert time.monotonic() < deadline, "node 0 never noticed its dead engine"
+            time.sleep(0.2)
+        assert burst(urls[1:], cluster.config.served_model_name, 20) == [200] * 20
+        dead = [row for row in status("deaths", None, "hybridlb") if row["name"].endswith(":engine:1")]
+        assert dead[0]["state"] == "DEAD"
+    finally:
+        cluster.stop()
+
+
+def test_down_leaves_nothing_behind(ray_cluster, tiny_qwen3):
+    cluster = start(three_node_config(tiny_qwen3, "gone"))
+    cluster.stop()
+    named = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "hybridlb:gone:" in a["name"]]
+    groups = [pg for pg in ray.util.placement_group_table().values()
+              if pg["name"].startswith("hybridlb:gone:") and pg["state"] != "REMOVED"]
+    assert named == [] and groups == []
+    assert down("gone", quiet=True) == 1  # nothing left to stop
+
+
+def test_more_engines_than_the_nodes_hold_fails_before_starting(ray_cluster, tiny_qwen3):
+    data = three_node_config(tiny_qwen3, "toobig")
+    data["data_parallel"]["nodes"][1]["size_local"] = 8
+    data["data_parallel"]["size"] = 12
+    config = parse_config(data)
+    with pytest.raises(UpError, match=r"node 1 needs .* but no Ray node has that much"):
+        up(config, plan_cluster(config), detach=False)
+    assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if "hybridlb:toobig:" in a["name"]]
+
+
+def test_missing_model_fails_before_starting(ray_cluster, tmp_path):
+    config = parse_config(three_node_config(str(tmp_path / "nope"), "nomodel"))
+    with pytest.raises(UpError, match="does not exist"):
+        up(config, plan_cluster(config), detach=False)

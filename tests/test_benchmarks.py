@@ -1,0 +1,27 @@
+"""Every benchmark script still imports and parses its arguments (they do not run in CI)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = sorted(p for p in Path("benchmarks").glob("*.py") if p.name != "common.py")
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.stem)
+def test_benchmark_script_loads(script):
+    run = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "usage:" in run.stdout
+
+
+@pytest.mark.slow
+def test_api_overhead_runs_end_to_end(tmp_path):
+    out = tmp_path / "api.json"
+    run = subprocess.run([sys.executable, "benchmarks/api_overhead.py", "--quick", "--models-dir", str(tmp_path),
+                          "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "ratio (best HTTP / best direct)" in run.stdout and out.exists()
