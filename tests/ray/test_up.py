@@ -110,3 +110,26 @@ def test_missing_model_fails_before_starting(ray_cluster, tmp_path):
     config = parse_config(three_node_config(str(tmp_path / "nope"), "nomodel"))
     with pytest.raises(UpError, match="does not exist"):
         up(config, plan_cluster(config), detach=False)
+
+
+def test_restart_policy_brings_a_dead_engine_back(ray_cluster, tiny_qwen3):
+    data = three_node_config(tiny_qwen3, "phoenix")
+    data["ray"]["restart_policy"] = "restart"
+    cluster = start(data)
+    try:
+        url = ray.get(cluster.apis[0][1].url.remote())
+        ray.kill(cluster.engines[0], no_restart=False)  # as if the process crashed
+        deadline = time.monotonic() + 60
+        saw_down = False
+        while time.monotonic() < deadline:
+            healthy = httpx.get(f"{url}/health").status_code == 200
+            saw_down = saw_down or not healthy
+            if saw_down and healthy:
+                break
+            time.sleep(0.2)
+        assert saw_down and healthy, "the engine did not come back"
+        body = {"model": cluster.config.served_model_name, "prompt": "back again", "max_tokens": 4}
+        pinned = httpx.post(f"{url}/v1/completions", json=body, headers={"X-data-parallel-rank": "0"}, timeout=60)
+        assert pinned.status_code == 200
+    finally:
+        cluster.stop()
