@@ -44,3 +44,35 @@ bench-dp:
 # MoE lockstep: coordination cost (sync vs async metadata) and dummy steps under skew.
 bench-moe:
     {{venv}}/python benchmarks/moe_waves.py
+
+# 1,000 concurrent streaming clients against one node, goal zero failures (`--quick`: 50).
+bench-load *args:
+    {{venv}}/python benchmarks/load_soak.py load {{args}}
+
+# Steady load for 10 minutes watching every serve process's RSS (`--quick`: 30 s).
+bench-soak *args:
+    {{venv}}/python benchmarks/load_soak.py soak {{args}}
+
+# Without vLLM: for its side-by-sides, afterwards `just bench-vllm bench-dp bench-report-render`.
+# Run every benchmark, then render benchmarks/REPORT.md and its plots (~40 min on 2 cores).
+bench-report: _bench-deps && bench-report-render
+    {{venv}}/python benchmarks/engine_throughput.py
+    {{venv}}/python benchmarks/api_overhead.py
+    {{venv}}/python benchmarks/dp_overhead.py --skip-vllm
+    {{venv}}/python benchmarks/moe_waves.py
+    {{venv}}/python benchmarks/up_time.py
+    {{venv}}/python benchmarks/load_soak.py load
+    {{venv}}/python benchmarks/load_soak.py soak
+    {{venv}}/python benchmarks/control_plane.py
+
+# Re-render benchmarks/REPORT.md and benchmarks/report/ from the JSON already there (seconds).
+bench-report-render: _bench-deps
+    {{venv}}/python benchmarks/report.py
+
+# matplotlib for the report's plots (the `bench` extra), once.
+_bench-deps:
+    @{{venv}}/python -c "import matplotlib" 2>/dev/null || {{venv}}/pip install -q -e '.[bench]'
+
+# Control plane with SIMULATED engines (not model speed): 512-engine coordinator, API max rate, DP=8/32.
+bench-control-plane *args:
+    {{venv}}/python benchmarks/control_plane.py {{args}}

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 
 from hybridlb.bench.serve import BenchArgs, make_prompts, run_benchmark, summarize
-from hybridlb.model.make_model import make_model
+from hybridlb.lifecycle import die_with_parent
 
 VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
             "VLLM_HOST_IP": "127.0.0.1"}
@@ -24,6 +24,8 @@ def checkpoint(models_dir: Path, arch: str, size: str) -> str:
     """The random-weight checkpoint the benchmarks share, made on first use."""
     path = models_dir / f"{size}-{arch}"
     if not (path / "config.json").exists():
+        from hybridlb.model.make_model import make_model  # torch: only when a checkpoint must be made
+
         make_model(arch, size, path, seed=0)
     return str(path)
 
@@ -62,8 +64,10 @@ class Server:
         self.name, self.port, self.model = name, port, model
         self.url = f"http://127.0.0.1:{port}"
         self.log = open(f"/tmp/bench_{name}_{port}.log", "w")  # noqa: SIM115 - closed in stop()
+        # die_with_parent: a benchmark killed mid-run takes its servers with it.
         self.process = subprocess.Popen(command, env={**os.environ, **(env or {})}, stdout=self.log,
-                                        stderr=subprocess.STDOUT, start_new_session=True)
+                                        stderr=subprocess.STDOUT, start_new_session=True,
+                                        preexec_fn=die_with_parent)
         self.started = time.monotonic()
 
     @classmethod

@@ -175,6 +175,8 @@ def serve(
     port: Annotated[int | None, typer.Option(help="HTTP port (default 8000).")] = None,
     served_model_name: Annotated[str | None, typer.Option(help="Name clients use (default: --model as given).")] = None,
     api_key: Annotated[str | None, typer.Option(help="Require 'Authorization: Bearer KEY' on /v1.")] = None,
+    max_concurrent_requests: Annotated[int | None, typer.Option(
+        help="Requests each API server works on at once; more get 429 (default 4096, 0: no limit).")] = None,
     max_model_len: Annotated[int | None, typer.Option()] = None,
     max_num_seqs: Annotated[int | None, typer.Option()] = None,
     max_num_batched_tokens: Annotated[int | None, typer.Option()] = None,
@@ -190,6 +192,10 @@ def serve(
         "--async-dp-coordination/--no-async-dp-coordination",
         help="Expert parallel: overlap the per-step metadata exchange (default on).")] = None,
     lb_policy: Annotated[str | None, typer.Option(help="least_loaded (default) or round_robin.")] = None,
+    simulate_step_ms: Annotated[float | None, typer.Option(
+        help="SIMULATED engines for control-plane benchmarks: no model, each step sleeps this long.")] = None,
+    simulate_per_token_ms: Annotated[float | None, typer.Option(
+        help="With --simulate-step-ms: extra step time per token computed.")] = None,
     data_parallel_size: DpSize = None,
     data_parallel_size_local: DpSizeLocal = None,
     data_parallel_start_rank: DpStartRank = None,
@@ -201,25 +207,43 @@ def serve(
     lb_mode: LbMode = None,
     api_servers_per_node: ApiServers = None,
     cluster_token: ClusterToken = None,
+    restart_policy: Annotated[str | None, typer.Option(
+        help="none (default): report a dead part and serve on; restart: bring it back in place.")] = None,
 ):
     """Serve the OpenAI API from this node: its engines and API servers, no Ray."""
     from hybridlb.launch.serve import serve as serve_node
 
+    parallel = _parallel_overrides(data_parallel_size, data_parallel_size_local, data_parallel_start_rank,
+                                   data_parallel_rank, data_parallel_address, data_parallel_rpc_port,
+                                   data_parallel_node_address, headless, lb_mode, api_servers_per_node,
+                                   cluster_token, lb_policy)
+    parallel["data_parallel"]["restart_policy"] = restart_policy
     cfg = build_config(config, model, {
         "engine": dict(max_model_len=max_model_len, max_num_seqs=max_num_seqs, device=device, dtype=dtype,
                        max_num_batched_tokens=max_num_batched_tokens, kv_cache_gib=kv_cache_gib,
                        block_size=block_size, seed=seed, torch_threads=torch_threads,
-                       expert_parallel=enable_expert_parallel, async_dp_coordination=async_dp_coordination),
-        "api": dict(host=host, port=port, served_model_name=served_model_name, api_key=api_key),
-        **_parallel_overrides(data_parallel_size, data_parallel_size_local, data_parallel_start_rank,
-                              data_parallel_rank, data_parallel_address, data_parallel_rpc_port,
-                              data_parallel_node_address, headless, lb_mode, api_servers_per_node, cluster_token,
-                              lb_policy),
+                       expert_parallel=enable_expert_parallel, async_dp_coordination=async_dp_coordination,
+                       simulate=_simulate(simulate_step_ms, simulate_per_token_ms)),
+        "api": dict(host=host, port=port, served_model_name=served_model_name, api_key=api_key,
+                    max_concurrent_requests=max_concurrent_requests),
+        **parallel,
     })
 
     ensure_checkpoint(cfg.engine)
+    if cfg.engine.simulate is not None:
+        typer.secho(f"warning: SIMULATED engines ({cfg.engine.simulate.step_ms:g} ms per step, no model "
+                    "loaded): for control-plane benchmarks only", fg=typer.colors.YELLOW, err=True)
     plan, node = _plan(cfg)
     raise typer.Exit(serve_node(cfg, plan, node))
+
+
+def _simulate(step_ms: float | None, per_token_ms: float | None) -> dict | None:
+    """engine.simulate from the flags (None: not given, the config file decides)."""
+    if step_ms is None:
+        if per_token_ms is not None:
+            _fail("--simulate-per-token-ms needs --simulate-step-ms")
+        return None
+    return {"step_ms": step_ms, "per_token_ms": per_token_ms or 0.0}
 
 
 @app.command()
@@ -286,8 +310,21 @@ def status(
     name: Annotated[str, typer.Argument(help="Cluster name given to `hybridlb up`.")] = "default",
     address: Annotated[str | None, typer.Option(help="Ray cluster address (default: auto).")] = None,
     namespace: Annotated[str, typer.Option()] = "hybridlb",
+    url: Annotated[str | None, typer.Option(
+        help="Ask a running API server instead (any launcher): http://HOST:PORT.")] = None,
+    api_key: Annotated[str | None, typer.Option(envvar="HYBRIDLB_API_KEY", help="With --url: its API key.")] = None,
 ):
-    """Every actor of a cluster started with `hybridlb up`: state, node and load."""
+    """Every actor of a cluster started with `hybridlb up`: state, node and load (or, with
+    --url, what one API server sees: its engines, the coordinator, lost ranks)."""
+    if url is not None:
+        from hybridlb.api.status import StatusError, describe
+
+        try:
+            text, healthy = describe(url.rstrip("/"), api_key)
+        except StatusError as exc:
+            _fail(str(exc))
+        typer.echo(text)
+        raise typer.Exit(0 if healthy else 1)
     from hybridlb.launch.ray_up import status as ray_status
 
     rows = ray_status(name, address, namespace)

@@ -33,6 +33,16 @@ class MakeModelConfig(_Section):
     seed: int = Field(0, description="Seed of the random weights.")
 
 
+class SimulateConfig(_Section):
+    """A simulated engine: no weights, each step just sleeps. For measuring the control plane
+    (coordinator, API server, load balancing) at scale; never a statement about model speed."""
+
+    step_ms: float = Field(gt=0, description="Time one engine step takes, in milliseconds.")
+    per_token_ms: float = Field(
+        0.0, ge=0, description="Extra step time per token computed in the step (prefill costs more), in ms."
+    )
+
+
 class EngineConfig(_Section):
     """What one engine (one data-parallel rank) needs to load a model and run it."""
 
@@ -69,6 +79,17 @@ class EngineConfig(_Section):
     torch_threads: int = Field(
         0, ge=0, description="Torch intra-op threads; 0 splits this machine's cores among its engines."
     )
+    simulate: SimulateConfig | None = Field(
+        None, description="SIMULATED engines (no weights loaded; steps sleep, tokens echo the prompt), for "
+        "control-plane benchmarks only. engine.model still provides the tokenizer and config.json. "
+        "Default: none, the real model.",
+    )
+
+    @model_validator(mode="after")
+    def _check_simulation(self) -> EngineConfig:
+        if self.simulate is not None and self.expert_parallel:
+            raise ValueError("engine.simulate cannot shard experts (expert_parallel); simulate dense models only")
+        return self
 
     @model_validator(mode="after")
     def _check_cache_fits_a_sequence(self) -> EngineConfig:
@@ -92,9 +113,14 @@ class ApiConfig(_Section):
         None, description="Model name clients send; defaults to engine.model exactly as given."
     )
     api_key: str | None = Field(
-        None, description="Bearer token required on every /v1 route (also read from HYBRIDLB_API_KEY)."
+        None, description="Bearer token required on every route but /health, /load, /metrics and /version "
+        "(also read from HYBRIDLB_API_KEY)."
     )
     max_body_bytes: int = Field(8 * 2**20, ge=1024, description="Larger request bodies get 413.")
+    max_concurrent_requests: int = Field(
+        4096, ge=0, description="Requests one API server process works on at once (streams included); more get "
+        "429 with Retry-After. /health, /load, /metrics and /version are never refused. 0: no limit."
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field("warning", description="HTTP server log level.")
 
 
@@ -132,6 +158,13 @@ class DataParallelConfig(_Section):
     cluster_token: str | None = Field(
         None, description="Shared secret a node must present to join (also HYBRIDLB_CLUSTER_TOKEN)."
     )
+    restart_policy: Literal["none", "restart"] = Field(
+        "none",
+        description="When a component dies. none: report it (/health, /ranks, status) and keep serving with "
+        "the rest. restart: bring it back in place (serve: the node restarts a dense engine, the coordinator "
+        "or an API server, at most 3 times a minute each; a broken MoE group makes the node exit for its "
+        "supervisor to recreate; up: Ray restarts the actor).",
+    )
 
 
 class LoadBalancingConfig(_Section):
@@ -163,13 +196,17 @@ class RayConfig(_Section):
     )
     name: str = Field("default", pattern=r"^[A-Za-z0-9_.-]+$", description="Cluster name in actor names.")
     namespace: str = Field("hybridlb", description="Ray namespace of every actor.")
-    restart_policy: Literal["none", "restart"] = Field(
-        "none", description="What Ray does when an engine actor dies: leave it dead, or restart it (MoE: the group)."
-    )
     cpus_per_engine: float = Field(1.0, gt=0, description="Logical CPUs reserved per engine actor.")
     cpus_per_api_server: float = Field(1.0, ge=0, description="Logical CPUs reserved per API server actor.")
     gpus_per_engine: float | None = Field(None, ge=0, description="GPUs per engine; default 1 on cuda, else 0.")
     ready_timeout_s: float = Field(600, gt=0, description="How long to wait for every actor to be ready.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved(cls, data: object) -> object:
+        if isinstance(data, dict) and "restart_policy" in data:
+            raise ValueError("restart_policy moved to data_parallel.restart_policy (it now applies to serve too)")
+        return data
 
 
 class Config(_Section):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import resource
 import signal
 import sys
 from collections.abc import Callable
@@ -35,6 +36,23 @@ def on_terminate(callback: Callable[[], None]) -> None:
     """Run ``callback`` on SIGTERM and SIGINT (it must only set flags and wake loops)."""
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: callback())
+
+
+def raise_open_files_limit(target: int = 65536) -> int:
+    """Lift the soft open-files limit towards ``target`` (never above the hard limit); return it.
+
+    Every client connection is a file descriptor, and the usual soft default of 1024 makes
+    a burst of ~1,000 connections fail (accept() hits EMFILE, and clients see their
+    connections closed). The hard limit is the administrator's ceiling; the soft one is
+    ours to raise.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY:
+        target = min(target, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        soft = target
+    return soft
 
 
 def tune_allocator() -> None:

@@ -8,7 +8,7 @@ import torch
 
 from hybridlb import lifecycle
 from hybridlb.config import EngineConfig
-from hybridlb.engine.core import EngineCore
+from hybridlb.engine.simulated import make_core
 from hybridlb.model.detokenizer import IncrementalDetokenizer
 from hybridlb.model.tokenizer import Tokenizer
 from hybridlb.protocol import SamplingParams
@@ -34,7 +34,7 @@ class LLM:
         self.config = EngineConfig(model=model, **engine_options)
         if self.config.torch_threads:
             torch.set_num_threads(self.config.torch_threads)
-        self.engine = EngineCore(self.config)
+        self.engine = make_core(self.config)  # engine.simulate: echoes, no model
         self.tokenizer = Tokenizer(model)
         self._next_id = 0
 

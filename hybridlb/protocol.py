@@ -28,14 +28,19 @@ Engine input/output — one per engine (one per data-parallel rank).
 Coordinator stats in — one per cluster, on the head node (``rpc_port + 1``).
     The coordinator **binds** PULL; every engine **connects** PUSH.
 
-    engine → coordinator : ``EngineStats``   whenever its load changed (``seq`` counts up)
+    engine → coordinator : ``EngineStats``   whenever its load changed (``seq`` counts up),
+                                             and at least every second (a heartbeat: a rank
+                                             silent for 3 s is listed as lost)
     engine → coordinator : ``StartWave``     MoE: a paused engine got a request
     engine → coordinator : ``WaveComplete``  MoE, rank 0: no rank had work; the wave is over
 
 Coordinator waves out — MoE with expert parallelism only (``rpc_port + 4``).
     The coordinator **binds** PUB; every engine **connects** SUB.
 
-    coordinator → engines : ``StartWave``  resume (every engine but the one that asked)
+    coordinator → engines : ``StartWave``  resume (every engine but the one that asked); while
+                                           a wave runs it is repeated every second (rank -1),
+                                           so an engine that missed it (a restarted
+                                           coordinator, a late subscriber) still joins
 
 Coordinator loads out — (``rpc_port + 2``).
     The coordinator **binds** PUB; every API server **connects** SUB (no topic filter).
@@ -58,6 +63,24 @@ Handshake — the rpc port (``rpc_port``) of the head node (start rank 0).
     head → node : ``ClusterReady``   every rank is up: serve; engine addresses of all ranks
     head → node : ``Heartbeat``      every second
     head → node : ``Shutdown``       the head is stopping; so does the node
+
+Bad input
+---------
+
+A receiver drops what it cannot use with one warning line saying why (undecodable, the
+wrong type, the wrong number of frames, values out of range) and keeps its connections.
+Every socket that binds and receives from other processes also sets ``ZMQ_MAXMSGSIZE``,
+so a frame over its limit drops the sender's connection before it is buffered (ZMQ
+reads no further, so nothing is decoded or logged):
+
+    engine input          ``engine_input_limit(max_model_len)``: 1 MiB plus 9 bytes (the
+                          largest msgpack integer) per token of the longest prompt
+    coordinator           ``COORDINATOR_LIMIT`` (64 KiB; an ``EngineStats`` is ~200 bytes;
+                          its PUB sockets take in only subscriptions)
+    handshake             ``HANDSHAKE_LIMIT`` (1 MiB; a ``RegisterNode`` of 1,000 ranks is ~30 KiB)
+
+The limit is per frame: ZMQ buffers a multipart message whole, so these sockets (none
+authenticated) must only be reachable from the cluster's own network.
 """
 
 from __future__ import annotations
@@ -130,6 +153,7 @@ class EngineReady(msgspec.Struct, tag="ready"):
     block_size: int
     eos_token_ids: list[int]
     dp_group: bool = False  # whether this engine joined a torch.distributed group across ranks
+    simulated: bool = False  # engine.simulate: no model, steps only sleep (control-plane benchmarks)
 
 
 class RequestOutput(msgspec.Struct, omit_defaults=True):
@@ -148,6 +172,7 @@ class EngineStats(msgspec.Struct, tag="stats"):
     num_waiting: int
     kv_usage: float
     seq: int = 0  # counts up with every change, so the newest view of an engine wins
+    epoch: int = 0  # when this engine process started (ns): a restarted engine's seq starts over
     dummy_steps: int = 0  # steps run with no work to stay in lockstep (MoE only)
     busy_s: float = 0.0  # time spent stepping since start (rides along; a change alone is not news)
     wave: int = 0  # expert parallel: the wave this engine is in (or will start next)
@@ -155,6 +180,11 @@ class EngineStats(msgspec.Struct, tag="stats"):
     collective_s: float = 0.0  # expert parallel: time in the MoE layers' collectives since start
     meta_s: float = 0.0  # expert parallel: time blocked on the per-step metadata exchange
     steps: int = 0  # steps that ran real tokens
+
+
+def is_newer(stats: EngineStats, than: EngineStats | None) -> bool:
+    """Whether ``stats`` is a later view of its engine than ``than`` (a restart starts a new epoch)."""
+    return than is None or (stats.epoch, stats.seq) > (than.epoch, than.seq)
 
 
 class WaveComplete(msgspec.Struct, tag="wave_complete"):
@@ -183,6 +213,7 @@ class LoadSnapshot(msgspec.Struct, tag="loads"):
     engines_running: bool = False
     wave_messages: int = 0  # wave coordination messages seen (always 0 for dense models)
     waves_completed: int = 0
+    lost_ranks: list[int] = msgspec.field(default_factory=list)  # silent for LOST_AFTER_S (dead or cut off)
 
 
 class RegisterNode(msgspec.Struct, tag="register"):
@@ -228,6 +259,22 @@ FromEngine = EngineReady | EngineOutputs
 ToCoordinator = EngineStats | WaveComplete | StartWave
 ToHead = RegisterNode | NodeReady | Heartbeat
 FromHead = NodeAccepted | NodeRejected | ClusterReady | Heartbeat | Shutdown
+
+COORDINATOR_LIMIT = 64 * 2**10
+HANDSHAKE_LIMIT = 2**20
+
+
+def engine_input_limit(max_model_len: int) -> int:
+    """Largest frame an engine takes: an ``AddRequest`` of a full-length prompt, plus 1 MiB
+    for its id and sampling params (the API bounds stop strings to ~256 KiB of them)."""
+    return 9 * max_model_len + 2**20
+
+
+def describe(error: Exception) -> str:
+    """A decode error for a log line: one short line, whatever bytes the sender put in it."""
+    text = str(error).encode("unicode_escape").decode("ascii")
+    return text if len(text) <= 300 else text[:300] + "..."
+
 
 encoder = msgspec.msgpack.Encoder()
 to_engine_decoder = msgspec.msgpack.Decoder(ToEngine)

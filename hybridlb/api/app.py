@@ -18,6 +18,7 @@ import zmq.asyncio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hybridlb import __version__
 from hybridlb.api.completions import chat_job, completion_job, respond
@@ -29,6 +30,7 @@ from hybridlb.api.schemas import ChatCompletionRequest, CompletionRequest
 from hybridlb.config import Config
 from hybridlb.model.tokenizer import Tokenizer
 from hybridlb.protocol import loads_decoder
+from hybridlb.transport import connect_securely
 
 log = logging.getLogger(__name__)
 
@@ -57,20 +59,31 @@ async def _announce_ready(connections: list[EngineConnection], on_ready: Callabl
         on_ready()
 
 
-class RequestGuard:
-    """ASGI middleware: the API key on every /v1 route, and the request body size limit."""
+# Probes, scrapers and upstream balancers: no API key, and never refused for load.
+OPEN_PATHS = frozenset({"/health", "/load", "/metrics", "/version"})
 
-    def __init__(self, app, api_key: str | None, max_body_bytes: int):
+
+class RequestGuard:
+    """ASGI middleware: the API key on every path but ``OPEN_PATHS`` (so a new route is
+    guarded by default), the request body size limit, and the limit on concurrent requests."""
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int, max_concurrent: int = 0):
         self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+        self.max_concurrent = max_concurrent
+        self.in_flight = 0
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if scope["path"] in OPEN_PATHS:
+            return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        if self._unauthorized(scope["path"], headers.get(b"authorization", b"")):
+        if self._unauthorized(headers.get(b"authorization", b"")):
             error = APIError(401, "missing or wrong API key; send 'Authorization: Bearer <key>'",
                              code="invalid_api_key")
             return await error_response(error)(scope, receive, send)
+        if self.max_concurrent and self.in_flight >= self.max_concurrent:
+            return await self._busy(scope, receive, send)
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             return await self._too_large(scope, receive, send)
@@ -80,14 +93,18 @@ class RequestGuard:
             nonlocal received
             message = await receive()
             received += len(message.get("body", b""))
-            if received > self.max_body_bytes:
-                raise APIError(413, self._too_large_message())
+            if received > self.max_body_bytes:  # no Content-Length (chunked): stop reading here
+                raise StarletteHTTPException(413, self._too_large_message())
             return message
 
-        return await self.app(scope, counted, send)
+        self.in_flight += 1
+        try:
+            return await self.app(scope, counted, send)
+        finally:
+            self.in_flight -= 1
 
-    def _unauthorized(self, path: str, authorization: bytes) -> bool:
-        if not self.api_key or not path.startswith("/v1"):
+    def _unauthorized(self, authorization: bytes) -> bool:
+        if not self.api_key:
             return False
         return not hmac.compare_digest(authorization, f"Bearer {self.api_key}".encode())
 
@@ -96,6 +113,13 @@ class RequestGuard:
 
     async def _too_large(self, scope, receive, send):
         return await error_response(APIError(413, self._too_large_message()))(scope, receive, send)
+
+    async def _busy(self, scope, receive, send):
+        error = APIError(429, f"this server is already working on {self.max_concurrent} requests "
+                              "(api.max_concurrent_requests); retry shortly", code="too_many_requests")
+        response = error_response(error)
+        response.headers["Retry-After"] = "1"
+        return await response(scope, receive, send)
 
 
 @dataclass(frozen=True)
@@ -108,12 +132,15 @@ class ApiServerSpec:
     mode: str = "hybrid"
     coordinator_loads: str | None = None
     policy: str = "least_loaded"
+    cluster_token: str | None = None  # keys for TCP sockets (``hybridlb.transport``), resolved by the launcher
 
 
-async def _follow_coordinator(context: zmq.asyncio.Context, address: str, frontend: Frontend) -> None:
+async def _follow_coordinator(context: zmq.asyncio.Context, address: str, frontend: Frontend,
+                              token: str | None) -> None:
     sub = context.socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
+    connect_securely(sub, address, token)
     sub.connect(address)
     try:
         while True:
@@ -139,15 +166,18 @@ def create_app(config: Config, spec: ApiServerSpec, on_ready: Callable[[], None]
     async def lifespan(_: FastAPI):
         context = zmq.asyncio.Context()
         client_id = f"{spec.name}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        connections = [EngineConnection(rank, address, f"{client_id}-{rank}", context, metrics.update_stats)
+        connections = [EngineConnection(rank, address, f"{client_id}-{rank}", context, metrics.update_stats,
+                                        spec.cluster_token)
                        for rank, address in spec.engines]
         for connection in connections:
             metrics.register_engine(connection.rank)
             connection.start()
-        frontend = state["frontend"] = Frontend(connections, tokenizer, metrics, spec.policy)
+        frontend = state["frontend"] = Frontend(connections, tokenizer, metrics, spec.policy,
+                                                        follows_coordinator=spec.coordinator_loads is not None)
         tasks = [asyncio.create_task(_announce_ready(connections, on_ready))]
         if spec.coordinator_loads:
-            tasks.append(asyncio.create_task(_follow_coordinator(context, spec.coordinator_loads, frontend)))
+            tasks.append(asyncio.create_task(_follow_coordinator(context, spec.coordinator_loads, frontend,
+                                                                  spec.cluster_token)))
         yield
         for task in tasks:
             task.cancel()
@@ -158,14 +188,15 @@ def create_app(config: Config, spec: ApiServerSpec, on_ready: Callable[[], None]
     app = FastAPI(title="hybridlb", version=__version__, lifespan=lifespan)
     install_error_handlers(app)
     api_key = config.api.api_key or os.environ.get("HYBRIDLB_API_KEY")
-    app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=config.api.max_body_bytes)
+    app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=config.api.max_body_bytes,
+                       max_concurrent=config.api.max_concurrent_requests)
 
     def frontend_for(model: str) -> Frontend:
         if model != name:
             raise APIError(404, f"the model `{model}` does not exist; this server serves `{name}`",
                            param="model", code="model_not_found")
         frontend = state["frontend"]
-        if not frontend.ready:
+        if not frontend.started:
             raise APIError(503, "the engines of this node are not ready yet")
         return frontend
 
@@ -182,18 +213,24 @@ def create_app(config: Config, spec: ApiServerSpec, on_ready: Callable[[], None]
     @app.get("/v1/models")
     async def models():
         frontend = state["frontend"]
-        limit = frontend.max_model_len if frontend.ready else None
+        limit = frontend.max_model_len if frontend.started else None
         card = {"id": name, "object": "model", "created": int(time.time()), "owned_by": "hybridlb",
                 "root": config.engine.model, "max_model_len": limit}
+        if config.engine.simulate is not None:  # never let a benchmark pass for the model's speed
+            card["simulated"] = f"SIMULATED engines: {config.engine.simulate.step_ms:g} ms per step, no model"
         return {"object": "list", "data": [card]}
 
     @app.get("/health")
     async def health():
+        """200 while this server can serve (``degraded`` lists what is down); 503 when it cannot."""
         frontend = state["frontend"]
-        if frontend.ready:
-            return JSONResponse({"status": "ok"})
-        down = [e.rank for e in frontend.engines if not e.alive]
-        return error_response(APIError(503, f"engines not ready: {down}"))
+        if not frontend.started:
+            return error_response(APIError(503, f"engines not ready yet: {frontend.down_ranks}"))
+        if (outage := frontend.outage()) is not None:
+            return error_response(APIError(503, outage))
+        problems = frontend.problems()
+        return JSONResponse({"status": "degraded" if problems else "ok", "problems": problems,
+                             "down_ranks": frontend.down_ranks})
 
     @app.get("/ranks")
     async def ranks():
@@ -203,6 +240,9 @@ def create_app(config: Config, spec: ApiServerSpec, on_ready: Callable[[], None]
             "node": spec.node, "api_server": spec.name, "mode": spec.mode,
             "ranks": [engine.rank for engine in frontend.engines],
             "coordinator": spec.coordinator_loads,
+            "coordinator_silent_s": frontend.coordinator_silent_s,
+            "lost_ranks": snapshot.lost_ranks if snapshot else [],
+            "problems": frontend.problems(),
             "engines": [_engine_view(engine) for engine in frontend.engines],
             "cluster": [msgspec.to_builtins(stats) for stats in snapshot.engines] if snapshot else None,
             "wave": {"current": snapshot.current_wave, "running": snapshot.engines_running,

@@ -27,9 +27,12 @@ from hybridlb.protocol import (
     Hello,
     RequestOutput,
     SamplingParams,
+    describe,
     encoder,
     from_engine_decoder,
+    is_newer,
 )
+from hybridlb.transport import connect_securely
 
 log = logging.getLogger(__name__)
 _HEARTBEAT_MS = 1000
@@ -41,7 +44,8 @@ class EngineUnavailable(RuntimeError):
 
 
 class EngineConnection:
-    def __init__(self, rank: int, address: str, client_id: str, context: zmq.asyncio.Context, on_stats=None):
+    def __init__(self, rank: int, address: str, client_id: str, context: zmq.asyncio.Context, on_stats=None,
+                 token: str | None = None):
         self.rank = rank
         self.address = address
         self.client_id = client_id
@@ -51,6 +55,7 @@ class EngineConnection:
         self.socket.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_MS)
         self.socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
         self.monitor = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        connect_securely(self.socket, address, token)
         self.socket.connect(address)
         self.streams: dict[str, asyncio.Queue] = {}
         self.info: EngineReady | None = None
@@ -93,11 +98,14 @@ class EngineConnection:
 
     async def _read(self) -> None:
         while True:
-            payload = await self.socket.recv(copy=False)
+            frames = await self.socket.recv_multipart(copy=False)
+            if len(frames) != 1:
+                log.warning("engine %d sent a message of %d frames (expected one); dropped", self.rank, len(frames))
+                continue
             try:
-                message = from_engine_decoder.decode(payload.buffer)
+                message = from_engine_decoder.decode(frames[0].buffer)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                log.warning("engine %d sent a malformed message: %s", self.rank, exc)
+                log.warning("engine %d sent a malformed message: %s", self.rank, describe(exc))
                 continue
             if isinstance(message, EngineOutputs):
                 self._dispatch(message.outputs)
@@ -110,7 +118,7 @@ class EngineConnection:
 
     def update_stats(self, stats: EngineStats) -> None:
         """Take ``stats`` if newer than what we have (direct from the engine or via the coordinator)."""
-        if self.stats is not None and stats.seq <= self.stats.seq:
+        if not is_newer(stats, self.stats):
             return
         self.stats = stats
         if self.on_stats:

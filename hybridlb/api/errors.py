@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -14,6 +16,7 @@ _TYPES = {
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    429: "rate_limit_error",
     503: "service_unavailable_error",
 }
 
@@ -28,13 +31,37 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
 
+class _ErrorJSON(JSONResponse):
+    """ASCII-escaped JSON: a message may quote client input, lone surrogates included."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode()
+
+
 def error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+    return _ErrorJSON(error.body(), status_code=error.status)
+
+
+_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _field_path(loc: tuple) -> list[str]:
+    """The field part of a pydantic error location, without the union member it tried
+    (``stop.list[str].0`` → ``stop``)."""
+    path = []
+    for part in loc:
+        if part == "body":
+            continue
+        if not isinstance(part, int) and (not part.isidentifier() or part in _UNION_TAGS):
+            break
+        path.append(str(part))
+    return path
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    first = exc.errors()[0]
-    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    # A union tries every member; the error that got furthest into the input says the most.
+    first = max(exc.errors(), key=lambda error: len(error.get("loc", ())))
+    location = _field_path(first.get("loc", ()))
     if first.get("type") == "json_invalid":
         return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}", None
     if not location and first.get("type") in ("model_attributes_type", "dict_type"):

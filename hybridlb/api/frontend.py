@@ -3,11 +3,17 @@
 ``Frontend.generate`` picks an engine, sends the prompt, detokenizes the outputs as they
 stream back (stop strings included), records metrics, and, if the caller goes away
 before the end, aborts the request so the engine frees its KV blocks.
+
+Faults: a request whose engine dies before it produced anything is sent to another live
+engine of this node (the client never notices); one that already streamed tokens ends
+with an error. The node keeps serving while any of its engines is alive; ``problems``
+lists what is down for /health.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -20,6 +26,8 @@ from hybridlb.model.detokenizer import IncrementalDetokenizer
 from hybridlb.model.tokenizer import Tokenizer
 from hybridlb.protocol import LoadSnapshot, SamplingParams
 
+log = logging.getLogger(__name__)
+COORDINATOR_SILENCE_S = 3.0  # three missed coordinator heartbeats
 
 @dataclass
 class Delta:
@@ -32,8 +40,10 @@ class Delta:
 
 class Frontend:
     def __init__(self, engines: list[EngineConnection], tokenizer: Tokenizer, metrics: Metrics,
-                 policy: str = "least_loaded"):
+                 policy: str = "least_loaded", follows_coordinator: bool = False):
         self.engines = engines
+        self.follows_coordinator = follows_coordinator
+        self.snapshot_at = time.monotonic()  # start-up counts as a sign of life
         self.policy = policy
         self.by_rank = {engine.rank: engine for engine in engines}
         self.tokenizer = tokenizer
@@ -43,7 +53,7 @@ class Frontend:
 
     def on_snapshot(self, snapshot: LoadSnapshot) -> None:
         """A coordinator snapshot: keep it, and refresh any local engine it has newer stats for."""
-        self.snapshot = snapshot
+        self.snapshot, self.snapshot_at = snapshot, time.monotonic()
         self.metrics.update_waves(snapshot)
         for stats in snapshot.engines:
             engine = self.by_rank.get(stats.rank)
@@ -57,12 +67,60 @@ class Frontend:
         return sum(live) / len(live) if live else None
 
     @property
-    def ready(self) -> bool:
-        return all(engine.alive for engine in self.engines)
+    def started(self) -> bool:
+        """Every engine said it was ready at least once (later deaths are ``problems``)."""
+        return all(engine.info is not None for engine in self.engines)
+
+    @property
+    def down_ranks(self) -> list[int]:
+        return [engine.rank for engine in self.engines if not engine.alive]
+
+    @property
+    def coordinator_silent_s(self) -> float | None:
+        """Seconds since the coordinator's last snapshot once that counts as lost, else None."""
+        silent = time.monotonic() - self.snapshot_at
+        return silent if self.follows_coordinator and silent > COORDINATOR_SILENCE_S else None
+
+    @property
+    def lockstep(self) -> bool:
+        """MoE experts sharded over the ranks: no wave can start without the coordinator."""
+        return any(engine.info is not None and engine.info.dp_group for engine in self.engines)
+
+    def outage(self) -> str | None:
+        """Why this API server cannot serve at all right now, or None."""
+        if not any(engine.alive for engine in self.engines):
+            return f"no engine of this node is available (down: {self.down_ranks})"
+        if self.lockstep and self.coordinator_silent_s is not None:
+            return (f"the coordinator has been silent for {self.coordinator_silent_s:.0f} s and MoE waves cannot "
+                    "start without it")
+        return None
+
+    def problems(self) -> list[str]:
+        """What is down but does not stop this server from serving (dense models)."""
+        found = [f"engine {rank} is down" for rank in self.down_ranks]
+        if self.coordinator_silent_s is not None:
+            found.append(f"the coordinator has been silent for {self.coordinator_silent_s:.0f} s "
+                         "(balancing on this server's own view)")
+        elif self.snapshot is not None and self.snapshot.lost_ranks:
+            found.append(f"ranks {self.snapshot.lost_ranks} of the cluster are not reporting to the coordinator")
+        return found
 
     @property
     def max_model_len(self) -> int:
         return min(engine.info.max_model_len for engine in self.engines if engine.info)
+
+    def _submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, rank: int | None,
+                tried: set[int]):
+        """Pick an engine not tried yet and send the request; raise APIError(503) when none is left."""
+        while True:
+            engine = self.pick(rank, frozenset(tried))
+            tried.add(engine.rank)
+            try:
+                wave = self.snapshot.current_wave if self.snapshot else 0
+                return engine, engine.add(request_id, prompt_ids, params, wave)
+            except EngineUnavailable as exc:
+                if rank is not None:
+                    raise APIError(503, str(exc)) from None
 
     def check_rank(self, rank: int | None) -> None:
         """Fail early (before any response starts) if ``rank`` is not this node's."""
@@ -71,13 +129,15 @@ class Frontend:
             raise APIError(400, f"X-data-parallel-rank {rank} is not served here; this node has ranks {owned}",
                            param="X-data-parallel-rank")
 
-    def pick(self, rank: int | None = None) -> EngineConnection:
+    def pick(self, rank: int | None = None, exclude: frozenset[int] = frozenset()) -> EngineConnection:
         """The engine for a new request: ``rank`` if pinned, else the least loaded live one."""
         self.check_rank(rank)
+        if (outage := self.outage()) is not None:
+            raise APIError(503, outage)
         if rank is not None:
             engine = self.by_rank[rank]
         else:
-            live = [engine for engine in self.engines if engine.alive]
+            live = [engine for engine in self.engines if engine.alive and engine.rank not in exclude]
             if not live:
                 raise APIError(503, "no engine is available on this node")
             turn = next(self._turn)
@@ -97,19 +157,20 @@ class Frontend:
         the next decision already counts this request as in flight on that engine.
         """
         arrival = time.perf_counter()
-        engine = self.pick(rank)
-        try:
-            queue = engine.add(request_id, prompt_ids, params, self.snapshot.current_wave if self.snapshot else 0)
-        except EngineUnavailable as exc:
-            raise APIError(503, str(exc)) from None
+        tried: set[int] = set()
+        engine, queue = self._submit(request_id, prompt_ids, params, rank, tried)
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
-        labels = self.metrics.labels(engine.rank)
-        last_token_at, num_tokens, finished = None, 0, False
+        last_token_at, num_tokens, finished, yielded = None, 0, False, False
         try:
             while not finished:
                 output = await queue.get()
                 if isinstance(output, EngineUnavailable):
-                    raise APIError(503, f"{output}; the request was lost")
+                    if yielded or rank is not None:
+                        raise APIError(503, f"{output}; the request was lost")
+                    log.warning("%s before request %s started; sending it to another engine", output, request_id)
+                    engine.release(request_id, abort=False)
+                    engine, queue = self._submit(request_id, prompt_ids, params, rank, tried)
+                    continue
                 if output.error:
                     raise APIError(400, output.error)
                 now = time.perf_counter()
@@ -117,7 +178,7 @@ class Frontend:
                     if last_token_at is None:
                         self.metrics.first_token(engine.rank, now - arrival)
                     else:
-                        self.metrics.itl.labels(**labels).observe(now - last_token_at)
+                        self.metrics.itl.labels(**self.metrics.labels(engine.rank)).observe(now - last_token_at)
                     last_token_at = now
                 num_tokens += len(output.new_token_ids)
                 text = detok.push(output.new_token_ids)
@@ -127,6 +188,7 @@ class Frontend:
                 finished = reason is not None
                 if finished:
                     self.metrics.finished(engine.rank, reason, now - arrival, len(prompt_ids), num_tokens)
+                yielded = True
                 yield Delta(text, len(output.new_token_ids), reason)
         finally:
             # Not finished by the engine (stop string, client gone, error): stop it there too.

@@ -2,16 +2,37 @@
 
 Fields hybridlb does not implement are rejected with a 400 naming them rather than
 silently ignored; unknown extra fields are allowed (clients send many), as OpenAI does.
+Everything that reaches an engine is bounded here: integers fit the wire (int64), floats
+are finite, text is valid unicode, and a request has at most ``MAX_PROMPTS`` prompts and
+``MAX_STOP`` stop strings of ``MAX_STOP_CHARS`` — which also bounds the size of an
+engine's input messages (``hybridlb.protocol.engine_input_limit``).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from hybridlb.api.errors import APIError
 from hybridlb.protocol import SamplingParams
+
+MAX_PROMPTS = 1024  # prompts in one completion request (each becomes an engine request)
+MAX_STOP = 64  # stop strings per request
+MAX_STOP_CHARS = 1024  # characters per stop string
+MAX_STOP_TOKEN_IDS = 1024
+
+
+def _valid_unicode(text: str) -> str:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        raise ValueError("text must be valid unicode; it contains a lone surrogate") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]  # what the wire (msgpack) carries
 
 
 class StreamOptions(BaseModel):
@@ -19,17 +40,17 @@ class StreamOptions(BaseModel):
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
-    model: str
+    model: Text
     max_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0
+    top_k: Int64 = 0
     n: int = 1
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    seed: Int64 | None = None
+    stop: Text | list[Text] | None = None
+    stop_token_ids: list[Int64] | None = None
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -47,12 +68,20 @@ class _Sampling(BaseModel):
             raise APIError(400, "logprobs are not supported", param="logprobs")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
+        if len(self.stops) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in self.stops):
+            raise APIError(400, f"at most {MAX_STOP} stop strings of up to {MAX_STOP_CHARS} characters each",
+                           param="stop")
+        if len(self.stop_token_ids or []) > MAX_STOP_TOKEN_IDS:
+            raise APIError(400, f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids", param="stop_token_ids")
+
+    @property
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         params = SamplingParams(
             max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-            seed=self.seed, stop=stop, stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
+            seed=self.seed, stop=self.stops, stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
         )
         for param, message in params.problems():
             raise APIError(400, message, param=param)
@@ -64,10 +93,10 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Text | list[Text] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     echo: bool = False
-    suffix: str | None = None
+    suffix: Text | None = None
     best_of: int | None = None
 
     def check_supported(self) -> None:
@@ -87,19 +116,21 @@ class CompletionRequest(_Sampling):
             raise APIError(400, "prompt must not be empty", param="prompt")
         if all(isinstance(p, int) for p in prompt):
             return [prompt]
+        if len(prompt) > MAX_PROMPTS:
+            raise APIError(400, f"at most {MAX_PROMPTS} prompts in one request, got {len(prompt)}", param="prompt")
         return list(prompt)
 
 
 class TextPart(BaseModel):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[TextPart] | None = None
+    content: Text | list[TextPart] | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):

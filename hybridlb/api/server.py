@@ -14,7 +14,9 @@ from hybridlb.config import Config
 
 def listen(host: str, port: int, shared: bool) -> socket.socket:
     """A listening socket; ``shared`` lets several API server processes take the same
-    port, the kernel spreading connections among them (SO_REUSEPORT)."""
+    port, the kernel spreading connections among them (SO_REUSEPORT). Lifts this
+    process's open-files limit first: each client connection holds a descriptor."""
+    lifecycle.raise_open_files_limit()
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

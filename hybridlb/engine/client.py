@@ -17,15 +17,17 @@ from hybridlb.protocol import (
     encoder,
     from_engine_decoder,
 )
+from hybridlb.transport import connect_securely
 
 
 class EngineClient:
-    def __init__(self, address: str, client_id: str | None = None):
+    def __init__(self, address: str, client_id: str | None = None, token: str | None = None):
         self.client_id = client_id or f"client-{uuid.uuid4().hex[:8]}"
         self.context = zmq.Context.instance()
         self.socket = self.context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.IDENTITY, self.client_id.encode())
+        connect_securely(self.socket, address, token)
         self.socket.connect(address)
 
     def _send(self, message) -> None:

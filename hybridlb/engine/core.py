@@ -8,25 +8,29 @@ between steps and forward the returned outputs.
 from __future__ import annotations
 
 import time
-
-import torch
+from typing import TYPE_CHECKING
 
 from hybridlb.config import EngineConfig
 from hybridlb.engine.block_manager import BlockManager
 from hybridlb.engine.dp_context import DPContext
-from hybridlb.engine.model_runner import ModelRunner
 from hybridlb.engine.request import Request
 from hybridlb.engine.scheduler import ScheduledChunk, Scheduler
 from hybridlb.model.tokenizer import read_eos_token_ids
 from hybridlb.protocol import EngineStats, RequestOutput, SamplingParams
 
+if TYPE_CHECKING:  # torch and the model load only with the real runner (not a simulated one)
+    import torch
+
+    from hybridlb.engine.model_runner import ModelRunner
+
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, dp: DPContext | None = None):
+    def __init__(self, config: EngineConfig, dp: DPContext | None = None, runner: ModelRunner | None = None):
+        """``runner`` replaces the model (``hybridlb.engine.simulated``); default: load the checkpoint."""
         self.config = config
         self.dp = dp or DPContext()
         self.rank = self.dp.rank
-        self.runner = ModelRunner(config, self.dp)
+        self.runner = runner or _load_runner(config, self.dp)
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.spec.vocab_size
         self.eos_token_ids = set(read_eos_token_ids(config.model))
@@ -44,13 +48,17 @@ class EngineCore:
             return RequestOutput(request_id, [], finish_reason="error", error=problem)
         room = self.max_model_len - len(prompt_token_ids)
         max_tokens = min(params.max_tokens or room, room)
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
+        generator = self._generator(params.seed) if params.seed is not None else None
         request = Request(request_id, prompt_token_ids, params, max_tokens, generator)
         self.requests[request_id] = request
         self.scheduler.add(request)
         return None
+
+    def _generator(self, seed: int) -> torch.Generator:
+        """A per-request sampling generator (imported here: a simulated core never loads torch)."""
+        import torch
+
+        return torch.Generator(device=self.runner.device).manual_seed(seed)
 
     def _check(self, request_id: str, prompt: list[int], params: SamplingParams) -> str | None:
         if request_id in self.requests:
@@ -127,3 +135,9 @@ class EngineCore:
             busy_s=round(self.busy_s, 3),
             steps=self.num_steps,
         )
+
+
+def _load_runner(config: EngineConfig, dp: DPContext) -> ModelRunner:
+    from hybridlb.engine.model_runner import ModelRunner
+
+    return ModelRunner(config, dp)

@@ -12,6 +12,7 @@ class DPContext:
     coordinator_stats: str | None = None  # where to push load stats (None: no coordinator)
     coordinator_waves: str | None = None  # MoE lockstep: where StartWave comes from
     rendezvous: str | None = None  # MoE lockstep: torch.distributed init address
+    token: str | None = None  # the cluster token: keys for TCP sockets (hybridlb.transport)
 
     @property
     def lockstep(self) -> bool:

@@ -69,12 +69,13 @@ def start_engine(config: EngineConfig, rank: int, address: str, torch_threads: i
     return EngineProcess(rank, address, process, reader)
 
 
-def wait_until_ready(engines: list[EngineProcess], timeout_s: float = 300.0) -> list[EngineReady]:
+def wait_until_ready(engines: list[EngineProcess], timeout_s: float = 300.0,
+                     token: str | None = None) -> list[EngineReady]:
     """Handshake with every engine; raise EngineStartError naming any that failed."""
     deadline = time.monotonic() + timeout_s
     ready = []
     for engine in engines:
-        client = EngineClient(engine.address, client_id=f"launcher-{os.getpid()}-{engine.rank}")
+        client = EngineClient(engine.address, client_id=f"launcher-{os.getpid()}-{engine.rank}", token=token)
         client.send_hello()
         try:
             while True:

@@ -16,12 +16,13 @@ import contextlib
 import logging
 import multiprocessing
 import queue
+import sys
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 
 import msgspec
-import torch
 import zmq
 
 from hybridlb import lifecycle
@@ -29,6 +30,7 @@ from hybridlb.config import EngineConfig
 from hybridlb.engine.core import EngineCore
 from hybridlb.engine.dp_context import DPContext
 from hybridlb.engine.lockstep import Lockstep
+from hybridlb.engine.simulated import make_core
 from hybridlb.protocol import (
     AbortRequests,
     AddRequest,
@@ -38,23 +40,31 @@ from hybridlb.protocol import (
     Hello,
     RequestOutput,
     StartWave,
+    describe,
     encoder,
+    engine_input_limit,
     to_engine_decoder,
 )
+from hybridlb.transport import connect_securely, serve_securely
 
 log = logging.getLogger(__name__)
 _STOP = object()
+STATS_HEARTBEAT_S = 1.0  # an idle engine still tells the coordinator it is alive this often
 
 
 class _IOThread(threading.Thread):
     """Moves frames between the ROUTER socket and the busy loop's queues."""
 
     def __init__(self, context: zmq.Context, address: str, outbox_address: str, inbox: queue.Queue,
-                 waves: str | None, rank: int):
+                 waves: str | None, rank: int, max_message_bytes: int, token: str | None = None):
         super().__init__(name="engine-io", daemon=True)
         self.router = context.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
-        self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        # Mandatory routing: a send to a front end that is gone fails instead of vanishing,
+        # so the busy loop stops sending it stats (``gone``).
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        serve_securely(self.router, address, token)
         self.router.bind(address)
         self.outbox = context.socket(zmq.PULL)
         self.outbox.bind(outbox_address)
@@ -63,8 +73,10 @@ class _IOThread(threading.Thread):
             self.waves = context.socket(zmq.SUB)
             self.waves.setsockopt(zmq.LINGER, 0)
             self.waves.setsockopt(zmq.SUBSCRIBE, b"")
+            connect_securely(self.waves, waves, token)
             self.waves.connect(waves)
         self.inbox, self.rank = inbox, rank
+        self.gone: queue.SimpleQueue[bytes] = queue.SimpleQueue()  # identities of front ends that left
 
     def run(self) -> None:
         poller = zmq.Poller()
@@ -77,7 +89,7 @@ class _IOThread(threading.Thread):
                 frames = self.outbox.recv_multipart()
                 if not frames[0]:  # empty identity: stop
                     break
-                self.router.send_multipart(frames)
+                self._forward(frames)
             if self.router in ready:
                 self._receive(self.router.recv_multipart())
             if self.waves is not None and self.waves in ready:
@@ -86,11 +98,20 @@ class _IOThread(threading.Thread):
             if sock is not None:
                 sock.close(linger=0)
 
+    def _forward(self, frames: list[bytes]) -> None:
+        try:
+            self.router.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EHOSTUNREACH:
+                self.gone.put(frames[0])
+            # else EAGAIN: that front end stopped reading and its queue is full; it misses this
+            # message, as it would have without mandatory routing
+
     def _wave(self, payload: bytes) -> None:
         try:
             message = to_engine_decoder.decode(payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            log.warning("dropped a malformed wave message: %s", exc)
+            log.warning("dropped a malformed wave message: %s", describe(exc))
             return
         if isinstance(message, StartWave) and message.rank != self.rank:
             self.inbox.put((b"", message))
@@ -101,9 +122,14 @@ class _IOThread(threading.Thread):
             return
         identity, payload = frames
         try:
-            self.inbox.put((identity, to_engine_decoder.decode(payload)))
+            message = to_engine_decoder.decode(payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            log.warning("dropped a malformed message (%d bytes): %s", len(payload), exc)
+            log.warning("dropped a malformed message (%d bytes): %s", len(payload), describe(exc))
+            return
+        if isinstance(message, StartWave):  # only the coordinator starts waves, on its own socket
+            log.warning("dropped a StartWave sent by a front end")
+            return
+        self.inbox.put((identity, message))
 
 
 @dataclass
@@ -127,11 +153,13 @@ class EngineServer:
             self.coordinator = self.context.socket(zmq.PUSH)
             self.coordinator.setsockopt(zmq.LINGER, 0)
             self.coordinator.setsockopt(zmq.SNDHWM, 64)  # a coordinator that is gone must not block us
+            connect_securely(self.coordinator, dp.coordinator_stats, dp.token)
             self.coordinator.connect(dp.coordinator_stats)
         self.inbox: queue.Queue = queue.Queue()
         outbox_address = f"inproc://outbox-{uuid.uuid4().hex}"
         waves = dp.coordinator_waves if self.lockstep else None
-        self.io = _IOThread(self.context, address, outbox_address, self.inbox, waves, dp.rank)
+        self.io = _IOThread(self.context, address, outbox_address, self.inbox, waves, dp.rank,
+                            engine_input_limit(core.max_model_len), dp.token)
         self.outbox = self.context.socket(zmq.PUSH)
         self.outbox.setsockopt(zmq.LINGER, 0)
         self.outbox.connect(outbox_address)
@@ -139,6 +167,8 @@ class EngineServer:
         self.owners: dict[str, bytes] = {}
         self.last_stats: EngineStats | None = None
         self.stats_seq = 0
+        self.epoch = time.time_ns()
+        self.last_beat = 0.0  # when stats last went to the coordinator
         self.stopping = False
 
     def stop(self) -> None:
@@ -187,7 +217,7 @@ class EngineServer:
 
     def _drain(self, route: _Route, block: bool) -> None:
         try:
-            item = self.inbox.get(block=block)
+            item = self.inbox.get(block=block, timeout=STATS_HEARTBEAT_S if block else None)
             while True:
                 if item is _STOP:
                     self.stopping = True
@@ -223,7 +253,7 @@ class EngineServer:
             rank=core.rank, model=core.config.model, max_model_len=core.max_model_len,
             vocab_size=core.vocab_size, num_kv_blocks=core.blocks.num_blocks,
             block_size=core.blocks.block_size, eos_token_ids=sorted(core.eos_token_ids),
-            dp_group=torch.distributed.is_available() and torch.distributed.is_initialized(),
+            dp_group=_in_dp_group(), simulated=core.config.simulate is not None,
         )
 
     def _route_output(self, route: _Route, output: RequestOutput) -> None:
@@ -235,11 +265,15 @@ class EngineServer:
 
     def _publish(self, route: _Route) -> None:
         stats = self._stats_if_changed()
+        while not self.io.gone.empty():
+            self.clients.discard(self.io.gone.get())
         for identity in self.clients if stats else route.by_client:
             outputs = route.by_client.get(identity, [])
             self._send(identity, EngineOutputs(self.core.rank, outputs, stats))
-        if stats:
-            self._to_coordinator(stats)
+        now = time.monotonic()
+        if stats or now - self.last_beat >= STATS_HEARTBEAT_S:
+            self._to_coordinator(self.last_stats)
+            self.last_beat = now
 
     def _stats_if_changed(self) -> EngineStats | None:
         stats = self.core.stats()
@@ -248,11 +282,17 @@ class EngineServer:
         if self.last_stats is not None and _load(self.last_stats) == _load(stats):
             return None
         self.stats_seq += 1
-        self.last_stats = msgspec.structs.replace(stats, seq=self.stats_seq)
+        self.last_stats = msgspec.structs.replace(stats, seq=self.stats_seq, epoch=self.epoch)
         return self.last_stats
 
     def _send(self, identity: bytes, message) -> None:
         self.outbox.send_multipart([identity, encoder.encode(message)])
+
+
+def _in_dp_group() -> bool:
+    """Whether this process joined a torch.distributed group (a simulated engine never loads torch)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def _load(stats: EngineStats) -> tuple:
@@ -268,9 +308,12 @@ def run_engine(config: EngineConfig, dp: DPContext, address: str, torch_threads:
     lifecycle.configure_logging(title)
     lifecycle.die_with_parent()
     lifecycle.tune_allocator()
-    torch.set_num_threads(torch_threads)
+    if config.simulate is None:
+        import torch
+
+        torch.set_num_threads(torch_threads)
     try:
-        server = EngineServer(EngineCore(config, dp), address)
+        server = EngineServer(make_core(config, dp), address)
     except Exception as exc:
         log.error("engine %d failed to start: %s", dp.rank, exc)
         if errors is not None:
@@ -279,6 +322,8 @@ def run_engine(config: EngineConfig, dp: DPContext, address: str, torch_threads:
     lifecycle.on_terminate(server.stop)
     log.info("engine %d serving at %s (%d KV blocks%s)", dp.rank, address, server.core.blocks.num_blocks,
              ", experts sharded, lockstep" if server.lockstep else "")
+    if config.simulate is not None:
+        log.warning("engine %d is a %s: its speed says nothing about the model", dp.rank, server.core.describe())
     try:
         server.serve_forever()
     except RuntimeError as exc:  # a collective failed: another rank of the group is gone

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import enum
-
-import torch
+from typing import TYPE_CHECKING
 
 from hybridlb.protocol import SamplingParams
+
+if TYPE_CHECKING:  # a simulated engine never loads torch (start-up time and memory per process)
+    import torch
 
 
 class Status(enum.Enum):

@@ -10,9 +10,9 @@ heartbeats and give up when the head goes quiet. Messages: ``hybridlb.protocol``
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import logging
-import os
 import queue
 import socket
 import threading
@@ -24,6 +24,7 @@ import zmq
 
 from hybridlb.config import Config
 from hybridlb.protocol import (
+    HANDSHAKE_LIMIT,
     ClusterReady,
     Heartbeat,
     NodeAccepted,
@@ -31,13 +32,18 @@ from hybridlb.protocol import (
     NodeRejected,
     RegisterNode,
     Shutdown,
+    describe,
     encoder,
     from_head_decoder,
     to_head_decoder,
 )
+from hybridlb.transport import cluster_token, connect_securely, serve_securely
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 1.0
+REFUSAL_LOG_S = 10.0
+HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 HEAD_SILENCE_S = 5.0
 
 
@@ -56,7 +62,7 @@ def fingerprints(config: Config) -> tuple[str, str]:
 
 def registration(config: Config, start_rank: int, size_local: int, engine_addresses: dict[int, str]) -> RegisterNode:
     model, digest = fingerprints(config)
-    token = config.data_parallel.cluster_token or os.environ.get("HYBRIDLB_CLUSTER_TOKEN", "")
+    token = cluster_token(config.data_parallel.cluster_token) or ""
     return RegisterNode(start_rank, size_local, config.data_parallel.size, model, digest, token,
                         engine_addresses, socket.gethostname())
 
@@ -69,7 +75,15 @@ class HeadHandshake(threading.Thread):
         self.context = zmq.Context()
         self.router = self.context.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
-        self.router.bind(f"tcp://{dp.address}:{dp.rpc_port}")
+        self.router.setsockopt(zmq.MAXMSGSIZE, HANDSHAKE_LIMIT)
+        address = f"tcp://{dp.address}:{dp.rpc_port}"
+        serve_securely(self.router, address, own.token or None)
+        self.refusals = self.router.get_monitor_socket(HANDSHAKE_FAILED)
+        self.last_refusal_log = 0.0
+        self.router.bind(address)
+        if not own.token and dp.address not in ("127.0.0.1", "localhost", "::1"):
+            log.warning("no cluster token: any host that reaches %s:%d can join; set --cluster-token",
+                        dp.address, dp.rpc_port)
         self.nodes: dict[bytes, RegisterNode] = {}
         self.ready_ranks: set[int] = set()
         self.engine_addresses: dict[int, str] = {}
@@ -88,17 +102,28 @@ class HeadHandshake(threading.Thread):
     def run(self) -> None:
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
+        poller.register(self.refusals, zmq.POLLIN)
         last_beat = 0.0
         while True:
-            if poller.poll(200):
-                identity, payload = self.router.recv_multipart()
-                self._receive(identity, payload)
+            ready = dict(poller.poll(200))
+            if self.router in ready:
+                self._receive(self.router.recv_multipart())
+            if self.refusals in ready:
+                self._refused()
             if not self._run_commands():
                 break
             if time.monotonic() - last_beat >= HEARTBEAT_S:
                 self._broadcast(Heartbeat())
                 last_beat = time.monotonic()
         self.context.destroy(linger=200)
+
+    def _refused(self) -> None:
+        """A peer failed the secure (CURVE) handshake: it lacks this cluster's token."""
+        self.refusals.recv_multipart()
+        now = time.monotonic()
+        if now - self.last_refusal_log >= REFUSAL_LOG_S:  # a stray peer retries every 100 ms
+            log.warning("refused a connection that failed the secure handshake: wrong or missing cluster token")
+            self.last_refusal_log = now
 
     def _run_commands(self) -> bool:
         while True:
@@ -113,23 +138,29 @@ class HeadHandshake(threading.Thread):
             self.ready_ranks.update(value)
             self._check_barrier()
 
-    def _receive(self, identity: bytes, payload: bytes) -> None:
+    def _receive(self, frames: list[bytes]) -> None:
+        if len(frames) != 2:
+            log.warning("dropped a handshake message of %d frames (expected identity + payload)", len(frames))
+            return
+        identity, payload = frames
         try:
             message = to_head_decoder.decode(payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            log.warning("dropped a malformed handshake message: %s", exc)
+            log.warning("dropped a malformed handshake message (%d bytes): %s", len(payload), describe(exc))
             return
         if isinstance(message, RegisterNode):
             problem = self._problem(identity, message)
             if problem:
-                log.error("rejected node %s (start rank %d): %s", message.hostname, message.start_rank, problem)
+                log.error("rejected node %r (start rank %d): %s", message.hostname, message.start_rank, problem)
                 self._send(identity, NodeRejected(problem))
                 return
             self.nodes[identity] = message
-            log.info("node %s joined with ranks %d..%d", message.hostname, message.start_rank,
+            log.info("node %r joined with ranks %d..%d", message.hostname, message.start_rank,
                      message.start_rank + message.size_local - 1)
             self._send(identity, self.accepted)
-        elif isinstance(message, NodeReady) and identity in self.nodes:
+        elif isinstance(message, NodeReady) and identity not in self.nodes:
+            log.warning("dropped a NodeReady from a node that has not joined")
+        elif isinstance(message, NodeReady):
             node = self.nodes[identity]
             self.engine_addresses.update(node.engine_addresses)
             self.ready_ranks.update(range(node.start_rank, node.start_rank + node.size_local))
@@ -137,7 +168,7 @@ class HeadHandshake(threading.Thread):
 
     def _problem(self, identity: bytes, node: RegisterNode) -> str | None:
         own = self.own
-        if own.token and node.token != own.token:
+        if own.token and not hmac.compare_digest(node.token.encode(), own.token.encode()):
             return "wrong cluster token; give every node the same --cluster-token / HYBRIDLB_CLUSTER_TOKEN"
         if node.size != own.size:
             return f"this node says data-parallel size {node.size} but the head runs {own.size}; use the same --data-parallel-size"
@@ -145,9 +176,12 @@ class HeadHandshake(threading.Thread):
             return "the model differs from the head's (config.json does not match); serve the same checkpoint everywhere"
         if node.config_hash != own.config_hash:
             return "engine settings differ from the head's (dtype, max_model_len, block size, model name, ...); use the same config on every node"
-        ranks = set(range(node.start_rank, node.start_rank + node.size_local))
-        if max(ranks) >= own.size:
-            return f"ranks {min(ranks)}..{max(ranks)} go past data-parallel size {own.size}"
+        last = node.start_rank + node.size_local - 1
+        if node.start_rank < 0 or node.size_local < 1 or last >= own.size:
+            return f"ranks {node.start_rank}..{last} are not within 0..{own.size - 1} (data-parallel size {own.size})"
+        ranks = set(range(node.start_rank, last + 1))
+        if outside := sorted(set(node.engine_addresses) - ranks):
+            return f"engine addresses for rank(s) {outside[:8]} that this node does not run"
         for other_id, other in [(b"head", own), *self.nodes.items()]:
             if other_id == identity:
                 continue
@@ -179,6 +213,8 @@ class NodeLink:
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
+        connect_securely(self.socket, self.head, cluster_token(dp.cluster_token))
+        self.transport = self.socket.get_monitor_socket(HANDSHAKE_FAILED)
         self.socket.connect(self.head)
         self.last_heard = time.monotonic()
         self.lost: str | None = None
@@ -203,7 +239,13 @@ class NodeLink:
     def join(self, registration: RegisterNode, timeout_s: float = 120) -> NodeAccepted:
         self.socket.send(encoder.encode(registration))
         self.last_heard = time.monotonic() + timeout_s  # the head may not be up yet
-        reply = self._recv(timeout_s)
+        deadline, reply = self.last_heard, None
+        while reply is None and time.monotonic() < deadline:
+            if self.transport.poll(0):
+                raise ClusterError(f"the head node at {self.head} refused this node's secure connection: the "
+                                   "cluster token differs from the head's (or only one of them has one); give every "
+                                   "node the same --cluster-token / HYBRIDLB_CLUSTER_TOKEN")
+            reply = self._recv(min(0.5, deadline - time.monotonic()))
         if reply is None:
             raise ClusterError(f"no answer from the head node at {self.head} within {timeout_s:.0f} s")
         if isinstance(reply, NodeRejected):

@@ -28,20 +28,31 @@ def _runtime_dir(cluster: str) -> str:
     return path
 
 
+@ray.remote(num_cpus=0)
+def free_ports(count: int) -> tuple[str, list[int]]:
+    """This node's IP and ``count`` ports free on it now (the coordinator's, fixed before it
+    starts so that a restarted coordinator binds the same addresses its peers know)."""
+    ip = _node_ip()
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind((ip, 0))
+        return ip, [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
 @ray.remote
 class Coordinator:
-    def __init__(self, cluster: str, size: int, lockstep: bool):
+    def __init__(self, cluster: str, size: int, lockstep: bool, ip: str, ports: list[int], token: str | None):
+        """``ports``: stats in, loads out, waves out, rendezvous (from ``free_ports``)."""
         from hybridlb.coordinator import Coordinator as CoordinatorLoop
 
-        ip = _node_ip()
-        waves = f"tcp://{ip}:*" if lockstep else None
-        self.loop = CoordinatorLoop(f"tcp://{ip}:*", f"tcp://{ip}:*", size, waves)
+        stats, loads, waves, rendezvous = (f"tcp://{ip}:{port}" for port in ports)
+        self.loop = CoordinatorLoop(stats, loads, size, waves if lockstep else None, token)
         self.cluster, self.size = cluster, size
-        self.rendezvous = None
-        if lockstep:  # the torch.distributed store of rank 0 listens here
-            with socket.socket() as s:
-                s.bind((ip, 0))
-                self.rendezvous = f"tcp://{ip}:{s.getsockname()[1]}"
+        self.rendezvous = rendezvous if lockstep else None  # rank 0's torch.distributed store listens here
         self.thread = threading.Thread(target=self.loop.run, name="coordinator", daemon=True)
         self.thread.start()
 
@@ -75,14 +86,14 @@ class Engine:
         import torch
 
         from hybridlb import lifecycle
-        from hybridlb.engine.core import EngineCore
         from hybridlb.engine.process import EngineServer
+        from hybridlb.engine.simulated import make_core
 
         lifecycle.tune_allocator()
         torch.set_num_threads(threads)
         self.rank, self.node, self.cluster = dp.rank, node, cluster
         address = f"tcp://{_node_ip()}:{port}" if port else f"ipc://{_runtime_dir(cluster)}/engine-{dp.rank}"
-        self.server = EngineServer(EngineCore(config, dp), address)
+        self.server = EngineServer(make_core(config, dp), address)  # engine.simulate: no model
         self.thread = threading.Thread(target=self._serve, name="engine", daemon=True)
         self.thread.start()
 

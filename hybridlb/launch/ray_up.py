@@ -27,9 +27,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from hybridlb.api.app import ApiServerSpec
 from hybridlb.config import Config
 from hybridlb.engine.dp_context import DPContext
-from hybridlb.launch.ray_actors import ApiServer, Coordinator, Engine
+from hybridlb.launch.ray_actors import ApiServer, Coordinator, Engine, free_ports
 from hybridlb.model.spec import CheckpointError, load_spec
 from hybridlb.plan import ClusterPlan, NodePlan
+from hybridlb.transport import cluster_token
 
 log = logging.getLogger("hybridlb.up")
 
@@ -111,6 +112,9 @@ class RayCluster:
         self.coordinator = None
         self.engines: dict[int, object] = {}
         self.apis: list[tuple[NodePlan, object]] = []
+        # restart_policy restart: Ray restarts any actor that dies (a MoE group: see Engine).
+        self.restarts = -1 if config.data_parallel.restart_policy == "restart" else 0
+        self.token = cluster_token(config.data_parallel.cluster_token)  # actors may not share our environment
 
     def _options(self, role: str, index=None, node: int = 0, **resources) -> dict:
         return dict(name=actor_name(self.name, role, index), namespace=self.config.ray.namespace,
@@ -133,19 +137,21 @@ class RayCluster:
     def _start_coordinator(self) -> dict:
         if not self.plan.coordinator:
             return {}
-        self.coordinator = Coordinator.options(**self._options("coordinator", num_cpus=0)).remote(
-            self.name, self.plan.size, self.plan.lockstep)
+        ip, ports = ray.get(free_ports.options(scheduling_strategy=self.placement.on(0)).remote(4), timeout=60)
+        options = self._options("coordinator", num_cpus=0, max_restarts=self.restarts)
+        self.coordinator = Coordinator.options(**options).remote(self.name, self.plan.size, self.plan.lockstep,
+                                                                 ip, ports, self.token)
         return ray.get(self.coordinator.addresses.remote(), timeout=60)
 
     def _start_engines(self, shared: dict) -> None:
         cfg = self.config
-        restarts = -1 if cfg.ray.restart_policy == "restart" else 0
         threads = cfg.engine.torch_threads or max(1, int(cfg.ray.cpus_per_engine))
         for node in self.plan.nodes:
             for rank in node.ranks:
-                dp = DPContext(rank, self.plan.size, shared.get("stats"), shared.get("waves"), shared.get("rendezvous"))
+                dp = DPContext(rank, self.plan.size, shared.get("stats"), shared.get("waves"), shared.get("rendezvous"),
+                               self.token)
                 options = self._options("engine", rank, node.index, num_cpus=cfg.ray.cpus_per_engine,
-                                        num_gpus=self.placement.gpus, max_restarts=restarts)
+                                        num_gpus=self.placement.gpus, max_restarts=self.restarts)
                 port = self.plan.engine_port(rank) if self.plan.remote_engines else None
                 self.engines[rank] = Engine.options(**options).remote(self.name, cfg.engine, dp, node.index, port,
                                                                       threads)
@@ -155,9 +161,9 @@ class RayCluster:
             ports = [a.port for a in node.api_servers]
             for api in node.api_servers:
                 spec = ApiServerSpec(tuple((r, addresses[r]) for r in api.ranks), api.name, node.index,
-                                     self.plan.mode, loads, self.config.lb.policy)
+                                     self.plan.mode, loads, self.config.lb.policy, self.token)
                 options = self._options("api", api.name.split(":", 1)[1], node.index,
-                                        num_cpus=self.config.ray.cpus_per_api_server)
+                                        num_cpus=self.config.ray.cpus_per_api_server, max_restarts=self.restarts)
                 actor = ApiServer.options(**options).remote(self.name, self.config, spec, api.host, api.port,
                                                             ports.count(api.port) > 1)
                 self.apis.append((node, actor))

@@ -8,8 +8,26 @@ The parent process (``hybridlb:serve``) lays out the cluster (``hybridlb.plan``)
 2. starts this node's engines and waits for each one's readiness handshake;
 3. waits for the cluster-wide barrier: every rank on every node is up;
 4. starts this node's API servers (none when headless) and waits until they are ready;
-5. waits. SIGTERM / Ctrl-C stops everything; so does the death of an API server or,
-   on other nodes, losing the head. A dead engine is reported by /health and /ranks.
+5. watches its processes until SIGTERM / Ctrl-C (which stops everything).
+
+What happens when a part dies (``data_parallel.restart_policy``):
+
+* a dense engine: /health turns ``degraded`` and the API server sends new requests to
+  the node's other engines; ``restart`` starts it again at the same address and the API
+  server picks it up as soon as it says ready;
+* the coordinator: dense ranks keep serving on each API server's own view of its
+  engines; ``restart`` starts it again (it rebuilds its state from the engines within a
+  second). For MoE, waves cannot start without it: /health is 503 until it is back;
+* an API server: ``restart`` starts it again; ``none`` stops the node (exit 1), since
+  the node can no longer serve;
+* a MoE engine breaks its whole expert-parallel group (the other ranks exit): with
+  ``restart`` the node exits 1 so that its supervisor (the LeaderWorkerSet) recreates
+  the group; with ``none`` it stays up reporting 503;
+* the head node (seen from another node): a dense node keeps serving its own ranks; a
+  MoE or internal-LB node stops, since it cannot work without the head.
+
+A part that dies more than ``MAX_RESTARTS`` times in ``RESTART_WINDOW_S`` is left dead
+(an API server: the node exits), so a crash loop ends instead of spinning.
 """
 
 from __future__ import annotations
@@ -38,9 +56,12 @@ from hybridlb.engine.launch import (
 from hybridlb.launch.handshake import ClusterError, HeadHandshake, NodeLink, registration
 from hybridlb.plan import ClusterPlan, NodePlan
 from hybridlb.protocol import NodeAccepted
+from hybridlb.transport import cluster_token
 
 log = logging.getLogger("hybridlb.serve")
 _spawn = multiprocessing.get_context("spawn")
+MAX_RESTARTS = 3
+RESTART_WINDOW_S = 60.0
 
 
 class NodeStartError(RuntimeError):
@@ -57,7 +78,12 @@ class Node:
         self.handshake: HeadHandshake | None = None
         self.link: NodeLink | None = None
         self.engines: list[EngineProcess] = []
+        self.engine_args: dict[int, tuple] = {}  # rank → what start_engine got (to restart it)
+        self.coordinator_args: tuple = ()
         self.apis: list[multiprocessing.Process] = []
+        self.api_args: list[tuple] = []
+        self.restarts: dict[str, list[float]] = {}
+        self.token = cluster_token(config.data_parallel.cluster_token)
         self.started = False
         self.stopping = False
         self.exit_reason: str | None = None
@@ -77,10 +103,12 @@ class Node:
         shared = self._coordination()
         threads = default_torch_threads(self.config.engine, len(self.node.ranks))
         for rank in self.node.ranks:
-            dp = DPContext(rank, self.plan.size, shared.coordinator_stats, shared.coordinator_waves, shared.rendezvous)
-            self.engines.append(start_engine(self.config.engine, rank, self.engine_address(rank), threads, dp))
+            dp = DPContext(rank, self.plan.size, shared.coordinator_stats, shared.coordinator_waves, shared.rendezvous,
+                           self.token)
+            self.engine_args[rank] = (self.config.engine, rank, self.engine_address(rank), threads, dp)
+            self.engines.append(start_engine(*self.engine_args[rank]))
         try:
-            wait_until_ready(self.engines, timeout_s)
+            wait_until_ready(self.engines, timeout_s, self.token)
         except EngineStartError as exc:
             raise NodeStartError(str(exc)) from None
         addresses = self._barrier({e.rank: e.address for e in self.engines}, timeout_s)
@@ -98,10 +126,9 @@ class Node:
         )
         if self.node.is_head:
             if plan.coordinator:
-                args = (shared.coordinator_stats, shared.coordinator_loads, plan.size, shared.coordinator_waves)
-                self.coordinator = _spawn.Process(target=run_coordinator, args=args, name="hybridlb:coordinator",
-                                                  daemon=True)
-                self.coordinator.start()
+                self.coordinator_args = (shared.coordinator_stats, shared.coordinator_loads, plan.size,
+                                         shared.coordinator_waves, self.token)
+                self._start_coordinator()
             if self.joins_cluster:
                 own = registration(self.config, 0, len(self.node.ranks), {})
                 self.handshake = HeadHandshake(self.config, own, shared)
@@ -116,6 +143,11 @@ class Node:
             return self.link.join(own)
         except ClusterError as exc:
             raise NodeStartError(str(exc)) from None
+
+    def _start_coordinator(self) -> None:
+        self.coordinator = _spawn.Process(target=run_coordinator, args=self.coordinator_args,
+                                          name="hybridlb:coordinator", daemon=True)
+        self.coordinator.start()
 
     def _barrier(self, local: dict[int, str], timeout_s: float) -> dict[int, str]:
         """Wait until every rank of the cluster is up; return the engine address of each rank."""
@@ -144,11 +176,10 @@ class Node:
             os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
         for api in self.node.api_servers:
             spec = ApiServerSpec(tuple((rank, addresses[rank]) for rank in api.ranks), api.name, self.node.index,
-                                 self.plan.mode, loads, self.config.lb.policy)
+                                 self.plan.mode, loads, self.config.lb.policy, self.token)
             ready = _spawn.Event()
-            process = _spawn.Process(target=run_api_server, name=f"hybridlb:{api.name}", daemon=True,
-                                     args=(self.config, spec, api.host, api.port, ports.count(api.port) > 1, ready))
-            process.start()
+            self.api_args.append((self.config, spec, api.host, api.port, ports.count(api.port) > 1))
+            process = self._spawn_api(len(self.apis), ready)
             self.apis.append(process)
             events.append((api, process, ready))
         deadline = time.monotonic() + timeout_s
@@ -160,24 +191,81 @@ class Node:
                 if time.monotonic() > deadline or self.stopping:
                     raise NodeStartError(f"API server {api.name} was not ready in time")
 
+    def _spawn_api(self, index: int, ready=None) -> multiprocessing.Process:
+        config, spec, host, port, shared = self.api_args[index]
+        process = _spawn.Process(target=run_api_server, name=f"hybridlb:{spec.name}", daemon=True,
+                                 args=(config, spec, host, port, shared, ready))
+        process.start()
+        return process
+
     # -- run and stop -------------------------------------------------------------------
     def _lost_head(self, reason: str) -> None:
-        self.exit_reason = f"{reason}; stopping this node"
-        self.stopping = True
+        if self.plan.lockstep or self.plan.remote_engines:
+            self.exit_reason = f"{reason}; stopping this node (it cannot serve without the head)"
+            self.stopping = True
+        else:
+            log.error("%s; this node's ranks are independent and keep serving", reason)
 
     def wait(self) -> int:
-        """Block until asked to stop or something essential died; return the exit code."""
-        watched = {e.process.sentinel: f"engine {e.rank}" for e in self.engines}
-        if self.coordinator is not None:
-            watched[self.coordinator.sentinel] = "the coordinator"
+        """Block until asked to stop or the node can no longer serve; return the exit code."""
+        on_death = {"engine": self._engine_died, "api": self._api_died, "coordinator": self._coordinator_died}
+        handled: set[int] = set()  # sentinels of processes whose death was dealt with
         while not self.stopping:
-            for api in self.apis:
-                if not api.is_alive():
-                    self.exit_reason = f"{api.name} exited with code {api.exitcode}; stopping the node"
+            watched = {e.process.sentinel: ("engine", i) for i, e in enumerate(self.engines)}
+            watched.update({p.sentinel: ("api", i) for i, p in enumerate(self.apis)})
+            if self.coordinator is not None:
+                watched[self.coordinator.sentinel] = ("coordinator", 0)
+            for sentinel in wait([s for s in watched if s not in handled], timeout=0.5):
+                handled.add(sentinel)
+                kind, index = watched[sentinel]
+                if not on_death[kind](index):
                     return 1
-            for sentinel in wait(list(watched), timeout=0.5):
-                log.error("%s exited; /health and /ranks report it", watched.pop(sentinel))
         return 1 if self.exit_reason else 0
+
+    def _may_restart(self, part: str) -> bool:
+        """Whether the policy allows bringing ``part`` back now (no crash loop)."""
+        if self.config.data_parallel.restart_policy != "restart" or self.stopping:
+            return False
+        now = time.monotonic()
+        recent = [t for t in self.restarts.get(part, []) if now - t < RESTART_WINDOW_S]
+        if len(recent) >= MAX_RESTARTS:
+            log.error("%s died %d times within %.0f s; leaving it dead", part, len(recent) + 1, RESTART_WINDOW_S)
+            return False
+        self.restarts[part] = [*recent, now]
+        return True
+
+    def _engine_died(self, index: int) -> bool:
+        engine = self.engines[index]
+        part = f"engine {engine.rank}"
+        log.error("%s exited with code %s", part, engine.process.exitcode)
+        if self.plan.lockstep:
+            if self.config.data_parallel.restart_policy == "restart":
+                self.exit_reason = (f"{part} died and broke the expert-parallel group; exiting so that the "
+                                    "node's supervisor recreates the group")
+                return False
+            return True
+        if self._may_restart(part):
+            log.warning("restarting %s", part)
+            self.engines[index] = start_engine(*self.engine_args[engine.rank])
+        return True
+
+    def _coordinator_died(self, _: int) -> bool:
+        log.error("the coordinator exited with code %s", self.coordinator.exitcode)
+        if self._may_restart("the coordinator"):
+            log.warning("restarting the coordinator")
+            self._start_coordinator()
+        return True
+
+    def _api_died(self, index: int) -> bool:
+        process = self.apis[index]
+        part = process.name.removeprefix("hybridlb:")
+        log.error("%s exited with code %s", part, process.exitcode)
+        if self._may_restart(part):
+            log.warning("restarting %s", part)
+            self.apis[index] = self._spawn_api(index)
+            return True
+        self.exit_reason = f"{part} exited with code {process.exitcode}; stopping the node"
+        return False
 
     def stop(self) -> None:
         """SIGTERM everything at once (in-flight requests fail either way), then reap."""
@@ -220,7 +308,8 @@ def serve(config: Config, plan: ClusterPlan, node: NodePlan) -> int:
     lifecycle.on_terminate(terminate)
     try:
         runner.start()
-        print(f"hybridlb is ready: {_describe(node)} (model {config.served_model_name!r})", flush=True)
+        simulated = ", SIMULATED engines: no model runs" if config.engine.simulate is not None else ""
+        print(f"hybridlb is ready: {_describe(node)} (model {config.served_model_name!r}{simulated})", flush=True)
         code = runner.wait()
         if runner.exit_reason:
             log.error("%s", runner.exit_reason)

@@ -19,7 +19,9 @@ attention layer instead of stalling the step.
 from __future__ import annotations
 
 import datetime
+import socket
 import time
+from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
@@ -30,9 +32,24 @@ def init_group(rendezvous: str, rank: int, size: int, device: torch.device, time
     group for the small CPU metadata) on CUDA. Returns (group for tensors, group for metadata)."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group(backend, init_method=rendezvous, rank=rank, world_size=size, timeout=timeout)
+    store = _store(rendezvous, rank, size, timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
     meta = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else dist.group.WORLD
     return dist.group.WORLD, meta
+
+
+def _store(rendezvous: str, rank: int, size: int, timeout: datetime.timedelta) -> dist.TCPStore:
+    """The group's key-value store, served by rank 0 at ``rendezvous`` (``tcp://host:port``).
+
+    torch's store server listens on every interface; rank 0 hands it a socket bound to
+    the rendezvous host instead, so the store is only reachable where it was configured."""
+    url = urlparse(rendezvous)
+    listen_fd = None
+    if rank == 0:
+        family = socket.AF_INET6 if ":" in url.hostname else socket.AF_INET
+        listen_fd = socket.create_server((url.hostname, url.port), family=family).detach()
+    return dist.TCPStore(url.hostname, url.port, size, is_master=rank == 0, timeout=timeout,
+                         master_listen_fd=listen_fd)
 
 
 def expert_range(num_experts: int, rank: int, size: int) -> range:

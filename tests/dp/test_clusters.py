@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import re
-import signal
 import time
 
 import httpx
@@ -167,25 +165,6 @@ def test_external_lb_one_server_per_rank(tiny_qwen3):
     finally:
         for server in servers:
             server.stop()
-
-
-def test_losing_the_head_stops_the_other_node(tiny_qwen3):
-    rpc = free_port_range(4)
-    head = Server(tiny_qwen3, *_dp_flags(4, 2, 0, rpc))
-    worker = Server(tiny_qwen3, *_dp_flags(4, 2, 2, rpc))
-    start_servers(head, worker)
-    try:
-        for pid in head.children().values():
-            os.kill(pid, signal.SIGKILL)
-        head.process.kill()
-        started = time.monotonic()
-        worker.process.wait(15)
-        assert time.monotonic() - started < 10
-        assert worker.process.returncode == 1
-        assert "lost the head node" in worker.output
-    finally:
-        head.stop()
-        worker.stop()
 
 
 def test_mismatched_node_is_rejected_on_both_sides(tiny_qwen3):

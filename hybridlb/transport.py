@@ -1,0 +1,50 @@
+"""Who may talk on hybridlb's TCP sockets: CURVE keys derived from the cluster token.
+
+With a cluster token (``data_parallel.cluster_token`` or ``HYBRIDLB_CLUSTER_TOKEN``) every
+ZMQ socket that listens on TCP — the handshake, the coordinator's three, engines in
+internal-LB mode — is a CURVE server whose key pair is derived from the token, and every
+socket connecting to one is a CURVE client of it. Only a process that knows the token can
+compute the server's public key, so a stray process cannot even finish the ZMTP handshake:
+it can neither join nor inject anything, and traffic between nodes is encrypted. IPC
+sockets (one node, in a private 0700 directory) stay plain, and without a token nothing
+changes. torch.distributed's store (MoE rendezvous) is outside ZMQ and not covered.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import zmq
+from zmq.utils import z85
+
+_DOMAIN = b"hybridlb-curve-v1:"
+
+
+def cluster_token(configured: str | None) -> str | None:
+    """The token in force: the config's, else the environment's, else none."""
+    return configured or os.environ.get("HYBRIDLB_CLUSTER_TOKEN") or None
+
+
+def _server_keys(token: str) -> tuple[bytes, bytes]:
+    secret = z85.encode(hashlib.sha256(_DOMAIN + token.encode()).digest())
+    return zmq.curve_public(secret), secret
+
+
+def _guarded(address: str, token: str | None) -> bool:
+    return token is not None and address.startswith("tcp://")
+
+
+def serve_securely(sock: zmq.Socket, address: str, token: str | None) -> None:
+    """Before ``sock.bind(address)``: require the token's key from every peer (TCP only)."""
+    if _guarded(address, token):
+        public, secret = _server_keys(token)
+        sock.curve_server = True
+        sock.curve_publickey, sock.curve_secretkey = public, secret
+
+
+def connect_securely(sock: zmq.Socket, address: str, token: str | None) -> None:
+    """Before ``sock.connect(address)``: speak CURVE to a server keyed by the token (TCP only)."""
+    if _guarded(address, token):
+        sock.curve_serverkey = _server_keys(token)[0]
+        sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()

@@ -1,0 +1,57 @@
+"""The coordinator's bookkeeping over real (ipc) sockets: freshness, lost ranks, wave repeats."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import zmq
+
+from hybridlb import coordinator as coordinator_module
+from hybridlb.coordinator import Coordinator
+from hybridlb.protocol import EngineStats, StartWave, encoder, to_engine_decoder
+
+
+@pytest.fixture
+def coordinator(tmp_path):
+    c = Coordinator(f"ipc://{tmp_path}/stats", f"ipc://{tmp_path}/loads", 3, f"ipc://{tmp_path}/waves")
+    yield c
+    c.context.destroy(linger=0)
+
+
+def _stats(rank: int, seq: int, epoch: int, running: int = 0) -> EngineStats:
+    return EngineStats(rank=rank, num_running=running, num_waiting=0, kv_usage=0.0, seq=seq, epoch=epoch)
+
+
+def test_a_restarted_engine_is_newer_despite_a_lower_seq(coordinator):
+    coordinator.receive(encoder.encode(_stats(0, seq=50, epoch=1, running=7)))
+    coordinator.receive(encoder.encode(_stats(0, seq=3, epoch=1, running=1)))  # stale: ignored
+    assert coordinator.latest[0].num_running == 7
+    coordinator.receive(encoder.encode(_stats(0, seq=1, epoch=2, running=0)))  # the restarted process
+    assert coordinator.latest[0].num_running == 0
+
+
+def test_silent_ranks_are_listed_lost_until_they_report(coordinator, monkeypatch):
+    now = time.monotonic()
+    for rank in range(3):
+        coordinator.receive(encoder.encode(_stats(rank, 1, 1)))
+    assert coordinator.lost(now) == []
+    later = now + coordinator_module.LOST_AFTER_S + 1
+    coordinator.heard[0] = coordinator.heard[2] = later  # ranks 0 and 2 kept reporting; rank 1 went quiet
+    assert coordinator.lost(later) == [1]
+    coordinator.publish(later)
+    assert coordinator.snapshot.lost_ranks == [1]
+
+
+def test_a_running_wave_is_repeated_every_second_for_ranks_that_missed_it(coordinator, tmp_path):
+    sub = coordinator.context.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"ipc://{tmp_path}/waves")
+    time.sleep(0.2)  # let the subscription reach the publisher
+    coordinator.receive(encoder.encode(StartWave(4, rank=1)))
+    assert to_engine_decoder.decode(sub.recv()) == StartWave(4, 1)
+    coordinator.publish(time.monotonic())  # too soon: no repeat
+    assert not sub.poll(100)
+    coordinator.publish(time.monotonic() + 1.1)
+    assert to_engine_decoder.decode(sub.recv()) == StartWave(4, -1)
+    sub.close(linger=0)
