@@ -3,6 +3,7 @@ every node is on the configured interface (loopback by default), never on all of
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import httpx
@@ -32,7 +33,7 @@ def _outsiders_cannot_inject_or_listen(head: Server, rpc: int) -> None:
         sub.connect(f"tcp://127.0.0.1:{rpc + 2}")
         fake = EngineStats(rank=0, num_running=999, num_waiting=999, kv_usage=1.0, seq=10**9, epoch=10**19)
         for _ in range(20):
-            if push.poll(0, zmq.POLLOUT):  # never, without the keys: nothing to send to
+            with contextlib.suppress(zmq.Again):  # mostly no peer to queue for: the handshake keeps failing
                 push.send(encoder.encode(fake), zmq.NOBLOCK)
             time.sleep(0.1)
         assert not sub.poll(1500), "an outsider received load snapshots"
