@@ -18,6 +18,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from hybridlb.api.balance import load_score
 from hybridlb.protocol import (
     AbortRequests,
     AddRequest,
@@ -126,9 +127,9 @@ class EngineConnection:
 
     @property
     def score(self) -> int:
-        """Load for balancing: 4*waiting + running (latest stats) + this server's in-flight."""
+        """Load for balancing (``balance.load_score``)."""
         waiting, running = (self.stats.num_waiting, self.stats.num_running) if self.stats else (0, 0)
-        return 4 * waiting + running + len(self.streams)
+        return load_score(waiting, running, len(self.streams))
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
