@@ -178,7 +178,8 @@ class LoadBalancingConfig(_Section):
     )
     policy: Literal["least_loaded", "round_robin"] = Field(
         "least_loaded",
-        description="least_loaded: lowest 4*waiting + running + own in-flight, ties rotate; round_robin: in turn.",
+        description="least_loaded: lowest 4*waiting + running (+ own requests the stats do not show yet), ties "
+        "rotate; round_robin: in turn.",
     )
 
     @model_validator(mode="after")
