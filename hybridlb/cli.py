@@ -9,18 +9,27 @@ from typing import Annotated
 
 import typer
 
+from hybridlb.bench.cli import bench_app
+from hybridlb.cli_common import (
+    ApiServers,
+    ClusterToken,
+    DpAddress,
+    DpNodeAddress,
+    DpRank,
+    DpRpcPort,
+    DpSize,
+    DpSizeLocal,
+    DpStartRank,
+    Headless,
+    LbMode,
+)
+from hybridlb.cli_common import fail as _fail
 from hybridlb.config import Config, ConfigError, EngineConfig, load_config, parse_config
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, pretty_exceptions_enable=False)
-bench_app = typer.Typer(no_args_is_help=True, help="Benchmark clients.")
 app.add_typer(bench_app, name="bench")
 render_app = typer.Typer(no_args_is_help=True, help="Render the cluster for other platforms.")
 app.add_typer(render_app, name="render")
-
-
-def _fail(message: str) -> None:
-    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
-    raise typer.Exit(2)
 
 
 def build_config(config: Path | None, model: str | None, overrides: dict[str, dict]) -> Config:
@@ -115,21 +124,6 @@ def generate(
                                    "finish_reason": result.finish_reason}, ensure_ascii=False))
         else:
             typer.echo(f"{text}\x1b[1m{result.text}\x1b[0m" if sys.stdout.isatty() else text + result.text)
-
-
-DpSize = Annotated[int | None, typer.Option("--data-parallel-size", "-dp", help="Ranks in the whole cluster.")]
-DpSizeLocal = Annotated[int | None, typer.Option("--data-parallel-size-local", help="Ranks on this node.")]
-DpStartRank = Annotated[int | None, typer.Option("--data-parallel-start-rank", help="This node's first rank.")]
-DpRank = Annotated[int | None, typer.Option("--data-parallel-rank", help="External LB: serve only this rank.")]
-DpAddress = Annotated[str | None, typer.Option("--data-parallel-address", help="The head node's address.")]
-DpRpcPort = Annotated[int | None, typer.Option("--data-parallel-rpc-port", help="The head's handshake port.")]
-DpNodeAddress = Annotated[str | None, typer.Option("--data-parallel-node-address",
-                                                   help="This node's address for other nodes (internal LB).")]
-Headless = Annotated[bool | None, typer.Option("--headless/--no-headless", help="Engines only, no API server.")]
-LbMode = Annotated[str | None, typer.Option("--lb-mode", help="hybrid (default), internal or external.")]
-ApiServers = Annotated[str | None, typer.Option("--api-servers-per-node", help="N or auto.")]
-ClusterToken = Annotated[str | None, typer.Option("--cluster-token", envvar="HYBRIDLB_CLUSTER_TOKEN",
-                                                  help="Shared secret for joining the cluster.")]
 
 
 def _parallel_overrides(size, size_local, start_rank, rank, address, rpc_port, node_address, headless, lb_mode,
@@ -370,43 +364,6 @@ def render_k8s(
     else:
         out.write_text(manifest)
         typer.echo(f"wrote {out}")
-
-
-@bench_app.command("serve")
-def bench_serve_command(
-    base_url: Annotated[str, typer.Option(help="Server root, e.g. http://127.0.0.1:8000.")] = "http://127.0.0.1:8000",
-    model: Annotated[str | None, typer.Option(help="Model name (default: the server's first).")] = None,
-    tokenizer: Annotated[str | None, typer.Option(help="Local tokenizer dir (default: --model if a dir).")] = None,
-    dataset_name: Annotated[str, typer.Option(help="Only 'random' for now.")] = "random",
-    random_input_len: Annotated[int, typer.Option(min=1)] = 1024,
-    random_output_len: Annotated[int, typer.Option(min=1)] = 128,
-    num_prompts: Annotated[int, typer.Option(min=1)] = 1000,
-    max_concurrency: Annotated[int | None, typer.Option(min=1)] = None,
-    request_rate: Annotated[float, typer.Option(help="Requests/s (Poisson); inf sends all at once.")] = float("inf"),
-    ignore_eos: Annotated[bool, typer.Option()] = False,
-    seed: Annotated[int, typer.Option()] = 0,
-    prompt_format: Annotated[str, typer.Option(help="ids (token-id prompts) or text.")] = "ids",
-    api_key: Annotated[str | None, typer.Option(envvar="HYBRIDLB_API_KEY")] = None,
-    save_result: Annotated[Path | None, typer.Option(help="Write the results as JSON here.")] = None,
-):
-    """Load an OpenAI-compatible server and print TTFT / TPOT / ITL / throughput."""
-    from hybridlb.bench.serve import BenchArgs, BenchError, bench_serve
-
-    if dataset_name != "random":
-        _fail(f"dataset {dataset_name!r} is not supported; use --dataset-name random")
-    if prompt_format not in ("ids", "text"):
-        _fail("--prompt-format must be ids or text")
-    args = BenchArgs(
-        base_url=base_url.rstrip("/"), model=model, tokenizer=tokenizer, dataset_name=dataset_name,
-        random_input_len=random_input_len, random_output_len=random_output_len, num_prompts=num_prompts,
-        max_concurrency=max_concurrency, request_rate=request_rate, ignore_eos=ignore_eos, seed=seed,
-        prompt_format=prompt_format, api_key=api_key, save_result=str(save_result) if save_result else None,
-    )
-    try:
-        summary = bench_serve(args)
-    except BenchError as exc:
-        _fail(str(exc))
-    raise typer.Exit(0 if summary["completed"] else 1)
 
 
 if __name__ == "__main__":
