@@ -13,7 +13,7 @@ from hybridlb.model.attention import AttentionBatch, DecodeGroup, PrefillChunk
 from hybridlb.model.expert_parallel import ExpertParallel, expert_range, init_group
 from hybridlb.model.layers import MoEBlock
 from hybridlb.model.loader import load_model
-from hybridlb.model.spec import ModelSpec, load_spec
+from hybridlb.model.spec import load_spec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -30,23 +30,12 @@ def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
     return DTYPES[config.dtype]
 
 
-def resolve_max_model_len(config: EngineConfig, spec: ModelSpec) -> int:
-    if config.max_model_len is None:
-        return spec.max_position_embeddings
-    if config.max_model_len > spec.max_position_embeddings:
-        raise ValueError(
-            f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings="
-            f"{spec.max_position_embeddings}; lower max_model_len"
-        )
-    return config.max_model_len
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, dp: DPContext | None = None):
         self.device = resolve_device(config)
         self.dtype = resolve_dtype(config, self.device)
         self.spec = load_spec(config.model)
-        self.max_model_len = resolve_max_model_len(config, self.spec)
+        self.max_model_len = self.spec.model_len(config.max_model_len)
         self.block_size = config.block_size
         self.ep: ExpertParallel | None = None
         experts = None

@@ -40,7 +40,7 @@ class SimulatedRunner:
         self.step_s = config.simulate.step_ms / 1000
         self.per_token_s = config.simulate.per_token_ms / 1000
         self.spec = load_spec(config.model)
-        self.max_model_len = _max_model_len(config, self.spec)
+        self.max_model_len = self.spec.model_len(config.max_model_len)
         self.num_blocks = config.num_kv_blocks or _blocks_for(config, self.spec)
         if self.num_blocks * config.block_size < self.max_model_len:
             raise ValueError(
@@ -61,15 +61,6 @@ class SimulatedRunner:
 def echo_token(request: Request) -> int:
     """The simulated next token: the prompt again, one token per step."""
     return request.token_ids[request.num_output_tokens % request.num_prompt_tokens]
-
-
-def _max_model_len(config: EngineConfig, spec: ModelSpec) -> int:
-    if config.max_model_len is None:
-        return spec.max_position_embeddings
-    if config.max_model_len > spec.max_position_embeddings:
-        raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings="
-                         f"{spec.max_position_embeddings}; lower max_model_len")
-    return config.max_model_len
 
 
 def _blocks_for(config: EngineConfig, spec: ModelSpec) -> int:

@@ -17,12 +17,12 @@ import queue
 import socket
 import threading
 import time
-from pathlib import Path
 
 import msgspec
 import zmq
 
 from hybridlb.config import Config
+from hybridlb.model.checkpoint import resolve
 from hybridlb.protocol import (
     HANDSHAKE_LIMIT,
     ClusterReady,
@@ -53,7 +53,7 @@ class ClusterError(RuntimeError):
 
 def fingerprints(config: Config) -> tuple[str, str]:
     """(model, config) fingerprints every node must share with the head."""
-    model = hashlib.sha256(Path(config.engine.model, "config.json").read_bytes()).hexdigest()[:16]
+    model = resolve(config.engine.model).fingerprint()
     shared = config.engine.model_dump(exclude={"model", "make_if_missing", "torch_threads"})
     shared.update(served=config.served_model_name, size=config.data_parallel.size, mode=config.lb.mode)
     digest = hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]

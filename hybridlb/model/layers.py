@@ -27,13 +27,26 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def _inverse_frequencies(head_dim: int, rope: dict) -> torch.Tensor:
-    inv_freq = 1.0 / (rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    if rope["rope_type"] == "linear":
-        return inv_freq / rope["factor"]
-    if rope["rope_type"] == "llama3":
-        return _llama3_scaled(inv_freq, rope)
-    return inv_freq
+def _inverse_frequencies(head_dim: int, rope: dict, max_positions: int) -> tuple[torch.Tensor, float]:
+    """RoPE inverse frequencies for the checkpoint's scaling type, and the factor that scales cos/sin.
+
+    The formulas are transformers' (modeling_rope_utils), so greedy tokens match it.
+    """
+    base, kind = rope["rope_theta"], rope["rope_type"]
+    if kind == "dynamic":  # NTK-aware: a larger base, evaluated at the longest sequence served
+        original, factor = rope["original_max_position_embeddings"], rope["factor"]
+        if max_positions > original:
+            base = base * (factor * max_positions / original - (factor - 1)) ** (head_dim / (head_dim - 2))
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    if "freq_factors" in rope:  # GGUF llama3 files carry the divisors precomputed
+        inv_freq = inv_freq / torch.tensor(rope["freq_factors"], dtype=torch.float32)
+    if kind == "linear":
+        return inv_freq / rope["factor"], 1.0
+    if kind == "llama3":
+        return _llama3_scaled(inv_freq, rope), 1.0
+    if kind == "yarn":
+        return _yarn_scaled(inv_freq, head_dim, rope)
+    return inv_freq, 1.0
 
 
 def _llama3_scaled(inv_freq: torch.Tensor, rope: dict) -> torch.Tensor:
@@ -45,6 +58,36 @@ def _llama3_scaled(inv_freq: torch.Tensor, rope: dict) -> torch.Tensor:
     scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
     in_between = (wavelen <= old_len / low) & (wavelen >= old_len / high)
     return torch.where(in_between, blended, scaled)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_scaled(inv_freq: torch.Tensor, head_dim: int, rope: dict) -> tuple[torch.Tensor, float]:
+    """YaRN: interpolate low frequencies, keep high ones, ramp between; scale attention."""
+    base, factor = rope["rope_theta"], rope["factor"]
+    original = rope["original_max_position_embeddings"]
+    attention_factor = rope.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = _yarn_mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(rope.get("beta_fast") or 32), correction_dim(rope.get("beta_slow") or 1)
+    if rope.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate (divide by factor)
+    return inv_freq / factor * (1 - keep) + inv_freq * keep, float(attention_factor)
 
 
 class RotaryEmbedding(nn.Module):
@@ -60,11 +103,11 @@ class RotaryEmbedding(nn.Module):
 
     def reset(self) -> None:
         """(Re)compute the tables in float32 on the buffers' device."""
-        inv_freq = _inverse_frequencies(self.head_dim, self.rope)
+        inv_freq, scale = _inverse_frequencies(self.head_dim, self.rope, self.max_positions)
         freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32), inv_freq)
         angles = torch.cat((freqs, freqs), dim=-1)
-        self.cos = angles.cos().to(self.cos.device)
-        self.sin = angles.sin().to(self.sin.device)
+        self.cos = (angles.cos() * scale).to(self.cos.device)
+        self.sin = (angles.sin() * scale).to(self.sin.device)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)

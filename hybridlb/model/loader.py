@@ -1,8 +1,10 @@
-"""Load a local Hugging Face checkpoint (single or sharded safetensors) into CausalLM.
+"""Load a checkpoint (Hugging Face safetensors, single or sharded, or a GGUF file) into CausalLM.
 
 ``checkpoint_layout`` says, for every parameter of our fused model, which checkpoint
-tensors fill it and the shape each must have; the loader checks every tensor against
-that before copying, so a bad checkpoint fails with the file, tensor and shape named.
+tensors (by Hugging Face name) fill it and the shape each must have; the loader checks
+every tensor against that before copying, so a bad checkpoint fails with the file,
+tensor and shape named. Tensors of any stored dtype (float32, bfloat16, float16, or
+GGUF types dequantized by ``gguf_file``) are converted to the engine's dtype on copy.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from hybridlb.model.checkpoint import CheckpointError, resolve
 from hybridlb.model.layers import RotaryEmbedding
-from hybridlb.model.spec import CheckpointError, ModelSpec
+from hybridlb.model.spec import ModelSpec
 from hybridlb.model.transformer import CausalLM
 
 
@@ -111,7 +114,7 @@ def tensor_files(model_dir: Path) -> dict[str, Path]:
     return found
 
 
-class _TensorReader:
+class SafetensorsReader:
     """Reads checkpoint tensors by name, checking presence and shape; keeps files open."""
 
     def __init__(self, model_dir: Path):
@@ -119,10 +122,17 @@ class _TensorReader:
         self.files = tensor_files(model_dir)
         self.handles: dict[Path, object] = {}
 
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
     def read(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         file = self.files.get(name)
         if file is None:
-            raise CheckpointError(f"{self.model_dir}: tensor {name} (shape {list(shape)}) is missing")
+            hint = ""
+            if name == "lm_head.weight":
+                hint = ("; if the model ties its output layer to the embeddings, config.json needs "
+                        '"tie_word_embeddings": true')
+            raise CheckpointError(f"{self.model_dir}: tensor {name} (shape {list(shape)}) is missing{hint}")
         if file not in self.handles:
             self.handles[file] = safe_open(file, framework="pt")
         handle = self.handles[file]
@@ -131,27 +141,40 @@ class _TensorReader:
             raise CheckpointError(f"{file}: tensor {name} has shape {list(got)}, expected {list(shape)}")
         return handle.get_tensor(name)
 
-    def build(self, source: Source) -> torch.Tensor:
-        parts = [self.read(n, s) for n, s in zip(source.names, source.shapes, strict=True)]
-        if not source.stacked:
-            return torch.cat(parts) if len(parts) > 1 else parts[0]
-        items = [torch.cat(parts[i : i + source.per_item]) for i in range(0, len(parts), source.per_item)]
-        return torch.stack(items)
+
+def build(reader, source: Source) -> torch.Tensor:
+    """The parameter ``source`` describes, from a reader's tensors (see Source)."""
+    parts = [reader.read(n, s) for n, s in zip(source.names, source.shapes, strict=True)]
+    if not source.stacked:
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+    items = [torch.cat(parts[i : i + source.per_item]) for i in range(0, len(parts), source.per_item)]
+    return torch.stack(items)
 
 
-def load_model(model_dir: str | Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
+def tensor_reader(model: str | Path):
+    """A reader of the checkpoint's tensors by Hugging Face name: safetensors or GGUF."""
+    checkpoint = resolve(model)
+    if checkpoint.is_gguf:
+        from hybridlb.model.gguf_file import GGUFTensorReader
+
+        return GGUFTensorReader(checkpoint.path)
+    return SafetensorsReader(checkpoint.path)
+
+
+def load_model(model: str | Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
                max_positions: int, experts: range | None = None) -> CausalLM:
     """Build CausalLM on ``device`` and fill every parameter from the checkpoint."""
-    model_dir = Path(model_dir)
     with torch.device("meta"):
-        model = CausalLM(spec, max_positions, experts)
-    model = model.to_empty(device=device).to(dtype)
-    for module in model.modules():
+        lm = CausalLM(spec, max_positions, experts)
+    lm = lm.to_empty(device=device).to(dtype)
+    # to_empty materialises each module's parameters separately, which unties a tied lm_head.
+    lm.tie_weights()
+    for module in lm.modules():
         if isinstance(module, RotaryEmbedding):
             module.reset()
     layout = checkpoint_layout(spec, experts)
-    reader = _TensorReader(model_dir)
+    reader = tensor_reader(model)
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.copy_(reader.build(layout[name]))
-    return model.eval()
+        for name, param in lm.named_parameters():
+            param.copy_(build(reader, layout[name]))
+    return lm.eval()

@@ -1,8 +1,10 @@
-"""ModelSpec: the architecture facts of a checkpoint, read from its config.json.
+"""ModelSpec: the architecture facts of a checkpoint, read from its config.json
+(or, for a GGUF file, from the file's metadata mapped to the same fields).
 
 One frozen description for every supported architecture, so the model code never
 looks at raw config keys. Field names of transformers 4 and 5 are both accepted
-(``rope_theta`` or ``rope_parameters``; ``num_experts`` or ``num_local_experts``).
+(``rope_scaling`` or ``rope_parameters``, ``torch_dtype`` or ``dtype``, ``num_experts``
+or ``num_local_experts``); ``architectures: null`` falls back on ``model_type``.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from hybridlb.model.checkpoint import CheckpointError, resolve
 
 DENSE_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -22,11 +26,16 @@ MOE_ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
 }
 SUPPORTED_ARCHITECTURES = {**DENSE_ARCHITECTURES, **MOE_ARCHITECTURES}
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory that cannot be loaded; the message names the file and the fix."""
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+# Keys each scaled rope type needs in rope_parameters / rope_scaling.
+ROPE_REQUIRED = {
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor",),
+}
+CHECKPOINT_DTYPES = ("float32", "bfloat16", "float16")
+__all__ = ["CheckpointError", "ModelSpec", "load_spec", "parse_spec"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +55,7 @@ class ModelSpec:
     attention_bias: bool
     qk_norm: bool
     rope: dict[str, Any]
+    dtype: str = "float32"  # what the checkpoint stores (torch_dtype / dtype); engines choose their own
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
@@ -55,6 +65,27 @@ class ModelSpec:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def max_length(self) -> int:
+        """Longest sequence the model supports: rope scaling (linear, dynamic, yarn) extends the
+        pretraining length by its factor, as vLLM derives it; llama3 configs already state theirs."""
+        if self.rope["rope_type"] in ("linear", "dynamic", "yarn"):
+            scaled = int(self.rope["original_max_position_embeddings"] * self.rope["factor"])
+            return max(self.max_position_embeddings, scaled)
+        return self.max_position_embeddings
+
+    def model_len(self, requested: int | None) -> int:
+        """The max_model_len an engine serves: ``requested``, checked, or the model's own."""
+        if requested is None:
+            return self.max_length
+        if requested > self.max_length:
+            raise ValueError(
+                f"max_model_len={requested} exceeds the model's maximum length {self.max_length} "
+                f"(max_position_embeddings={self.max_position_embeddings}, rope {self.rope['rope_type']}); "
+                "lower max_model_len"
+            )
+        return requested
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.is_moe and self.moe_layers[layer]
@@ -74,8 +105,34 @@ def _rope(cfg: dict, path: Path) -> dict[str, Any]:
         raise CheckpointError(
             f"{path}: rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
+    missing = [key for key in ROPE_REQUIRED.get(rope_type, ()) if params.get(key) is None]
+    if missing:
+        raise CheckpointError(f"{path}: rope type {rope_type!r} needs {', '.join(missing)} in rope_parameters")
     params["rope_type"] = rope_type
+    # dynamic and yarn scale relative to the pretraining length, which config.json may only imply.
+    params.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings", 2048))
     return params
+
+
+def _architecture(cfg: dict, path: Path) -> str:
+    architectures = cfg.get("architectures") or []
+    arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None and not architectures:  # e.g. written from a GGUF load: "architectures": null
+        families = {family: name for name, family in SUPPORTED_ARCHITECTURES.items()}
+        arch = families.get(cfg.get("model_type"))
+    if arch is None:
+        raise CheckpointError(
+            f"{path}: architecture {architectures or cfg.get('model_type') or '(none)'} is not supported; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return arch
+
+
+def _dtype(cfg: dict, path: Path) -> str:
+    dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+    if dtype not in CHECKPOINT_DTYPES:
+        raise CheckpointError(f"{path}: dtype {dtype!r} is not supported; supported: {', '.join(CHECKPOINT_DTYPES)}")
+    return dtype
 
 
 def _moe_layers(cfg: dict, num_layers: int, family: str) -> tuple[bool, ...]:
@@ -88,13 +145,7 @@ def _moe_layers(cfg: dict, num_layers: int, family: str) -> tuple[bool, ...]:
 
 def parse_spec(cfg: dict, path: Path) -> ModelSpec:
     """Build a ModelSpec from a parsed config.json (``path`` only names it in errors)."""
-    architectures = cfg.get("architectures") or []
-    arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
-    if arch is None:
-        raise CheckpointError(
-            f"{path}: architecture {architectures or '(none)'} is not supported; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+    arch = _architecture(cfg, path)
     family = SUPPORTED_ARCHITECTURES[arch]
     if cfg.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"{path}: hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
@@ -119,6 +170,7 @@ def parse_spec(cfg: dict, path: Path) -> ModelSpec:
         attention_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
         qk_norm=family in ("qwen3", "qwen3_moe"),
         rope=_rope(cfg, path),
+        dtype=_dtype(cfg, path),
     )
     if family in MOE_ARCHITECTURES.values():
         experts = cfg.get("num_experts") or cfg.get("num_local_experts")
@@ -136,11 +188,14 @@ def parse_spec(cfg: dict, path: Path) -> ModelSpec:
     return ModelSpec(**spec)
 
 
-def load_spec(model_dir: str | Path) -> ModelSpec:
-    """Read ``config.json`` of a checkpoint directory."""
-    path = Path(model_dir) / "config.json"
-    if not Path(model_dir).is_dir():
-        raise CheckpointError(f"model directory {model_dir} does not exist (nothing is ever downloaded)")
+def load_spec(model: str | Path) -> ModelSpec:
+    """The spec of a model argument: ``config.json`` of a directory, or a GGUF file's metadata."""
+    checkpoint = resolve(model)
+    if checkpoint.is_gguf:
+        from hybridlb.model.gguf_file import gguf_config
+
+        return parse_spec(gguf_config(checkpoint.path), checkpoint.path)
+    path = checkpoint.path / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{path} is missing: a checkpoint directory needs config.json")
     try:

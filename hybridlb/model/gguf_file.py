@@ -1,0 +1,275 @@
+"""GGUF checkpoints: architecture, weights and tokenizer read from one llama.cpp file.
+
+The ``gguf`` package parses the file and dequantizes every tensor type it knows (F32,
+F16, BF16, Q8_0, Q4_0, Q4_1, the K-quants, ...) to float32 at load; nothing here
+decodes the format by hand. What this module adds is the mapping to the Hugging Face
+names the rest of the model package uses:
+
+* metadata keys (``llama.block_count``, ...) → a ``config.json``-shaped dict;
+* tensor names (``blk.3.attn_q.weight``) → checkpoint names
+  (``model.layers.3.self_attn.q_proj.weight``), undoing the row permutation llama.cpp's
+  converter applies to the q/k projections of llama models;
+* ``tokenizer.ggml.*`` → a ``tokenizers`` byte-level BPE, the chat template and eos ids.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hybridlb.model.checkpoint import CheckpointError
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+TOKEN_TYPE_CONTROL = 3
+TOKEN_TYPE_USER_DEFINED = 4
+
+_LAYER_TENSORS = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+# Pre-tokenizer split patterns by ``tokenizer.ggml.pre``; any other byte-level file splits
+# like GPT-2 (SmolLM, StarCoder, GPT-2 itself), as transformers does.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
+          "smaug-bpe": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
+
+
+@lru_cache(maxsize=2)
+def reader(path: Path):
+    """The parsed file (memory-mapped; tensors are read when dequantized)."""
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as exc:
+        raise CheckpointError(f"{path} is not a readable GGUF file: {exc}") from None
+
+
+def _field(path: Path, key: str, default=None):
+    field = reader(path).get_field(key)
+    return default if field is None else field.contents()
+
+
+def _required(path: Path, key: str):
+    value = _field(path, key)
+    if value is None:
+        raise CheckpointError(f"{path}: GGUF metadata {key!r} is missing")
+    return value
+
+
+def _rope(path: Path, arch: str) -> dict:
+    rope = {"rope_theta": float(_field(path, f"{arch}.rope.freq_base", 10000.0))}
+    scaling = _field(path, f"{arch}.rope.scaling.type", "none")
+    if scaling in ("linear", "yarn"):
+        rope.update(rope_type=scaling, factor=float(_required(path, f"{arch}.rope.scaling.factor")))
+        original = _field(path, f"{arch}.rope.scaling.original_context_length")
+        if original:
+            rope["original_max_position_embeddings"] = int(original)
+    elif scaling != "none":
+        raise CheckpointError(f"{path}: GGUF rope scaling {scaling!r} is not supported; supported: linear, yarn")
+    if "rope_freqs.weight" in tensor_names(path):
+        # Llama 3.1+: llama.cpp stores the llama3 per-frequency divisors as a tensor.
+        rope["freq_factors"] = _dequantized(path, "rope_freqs.weight").tolist()
+    return rope
+
+
+def gguf_config(path: Path) -> dict:
+    """The file's architecture as a Hugging Face ``config.json`` dict (parse_spec reads it)."""
+    arch = _required(path, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise CheckpointError(f"{path}: GGUF architecture {arch!r} is not supported; "
+                              f"supported: {', '.join(ARCHITECTURES)}")
+    heads = int(_required(path, f"{arch}.attention.head_count"))
+    kv_heads = _field(path, f"{arch}.attention.head_count_kv", heads)
+    if not isinstance(kv_heads, int):
+        raise CheckpointError(f"{path}: per-layer {arch}.attention.head_count_kv is not supported")
+    hidden = int(_required(path, f"{arch}.embedding_length"))
+    names = tensor_names(path)
+    eos = _field(path, "tokenizer.ggml.eos_token_id")
+    return {
+        "architectures": [ARCHITECTURES[arch]],
+        "model_type": arch,
+        "vocab_size": int(_field(path, f"{arch}.vocab_size") or len(_required(path, "tokenizer.ggml.tokens"))),
+        "hidden_size": hidden,
+        "num_hidden_layers": int(_required(path, f"{arch}.block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(kv_heads),
+        "head_dim": int(_field(path, f"{arch}.attention.key_length", hidden // heads)),
+        "intermediate_size": int(_required(path, f"{arch}.feed_forward_length")),
+        "rms_norm_eps": float(_field(path, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "max_position_embeddings": int(_field(path, f"{arch}.context_length", 2048)),
+        "rope_parameters": _rope(path, arch),
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": "blk.0.attn_q.bias" in names,
+        "hidden_act": "silu",
+        "eos_token_id": eos,
+    }
+
+
+@lru_cache(maxsize=2)
+def tensor_names(path: Path) -> dict[str, int]:
+    """GGUF tensor name → its index in the file."""
+    return {tensor.name: i for i, tensor in enumerate(reader(path).tensors)}
+
+
+def checkpoint_names(path: Path) -> dict[str, str]:
+    """Hugging Face tensor name → GGUF tensor name, for every tensor the file holds."""
+    names = {}
+    for name in tensor_names(path):
+        if name in _GLOBAL_TENSORS:
+            names[_GLOBAL_TENSORS[name]] = name
+        elif match := re.fullmatch(r"blk\.(\d+)\.(.+)", name):
+            layer, rest = match.groups()
+            if rest in _LAYER_TENSORS:
+                names[f"model.layers.{layer}.{_LAYER_TENSORS[rest]}"] = name
+    return names
+
+
+def _dequantized(path: Path, name: str) -> np.ndarray:
+    from gguf.quants import dequantize
+
+    tensor = reader(path).tensors[tensor_names(path)[name]]
+    try:
+        return dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError:
+        raise CheckpointError(f"{path}: tensor {name} has type {tensor.tensor_type.name}, "
+                              "which the gguf package cannot dequantize") from None
+
+
+class GGUFTensorReader:
+    """Reads tensors of a GGUF file by their Hugging Face names (see loader.TensorReader)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.names = checkpoint_names(path)
+        config = gguf_config(path)
+        self.permute = config["model_type"] == "llama"
+        self.heads, self.kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.names
+
+    def read(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        gguf_name = self.names.get(name)
+        if gguf_name is None:
+            raise CheckpointError(f"{self.path}: tensor {name} (GGUF {_gguf_name(name)}, shape {list(shape)}) "
+                                  "is missing")
+        array = _dequantized(self.path, gguf_name)
+        if tuple(array.shape) != shape:
+            raise CheckpointError(f"{self.path}: tensor {gguf_name} has shape {list(array.shape)}, "
+                                  f"expected {list(shape)}")
+        tensor = torch.from_numpy(np.array(array))  # a copy: the file is mapped read-only
+        if self.permute and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
+            tensor = _unpermute(tensor, self.heads if "attn_q" in gguf_name else self.kv_heads)
+        return tensor
+
+
+def _gguf_name(hf_name: str) -> str:
+    inverse = {v: k for k, v in _GLOBAL_TENSORS.items()}
+    if hf_name in inverse:
+        return inverse[hf_name]
+    match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", hf_name)
+    rest = {v: k for k, v in _LAYER_TENSORS.items()}.get(match.group(2), "?") if match else "?"
+    return f"blk.{match.group(1)}.{rest}" if match else "?"
+
+
+def _unpermute(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row order (interleaved rotary pairs) back to rotate-half order."""
+    rows = weight.shape[0]
+    return weight.reshape(heads, rows // heads // 2, 2, -1).transpose(1, 2).reshape(weight.shape)
+
+
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's printable spelling of each byte, in which byte-level vocabularies are written."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    spelling, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            spelling[byte] = chr(byte)
+        else:
+            spelling[byte] = chr(256 + extra)
+            extra += 1
+    return spelling
+
+
+def gguf_tokenizer(path: Path):
+    """(tokenizers.Tokenizer, special-token config) built from the file's ``tokenizer.ggml.*``."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    kind = _field(path, "tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise CheckpointError(
+            f"{path}: GGUF tokenizer {kind!r} is not supported (only byte-level BPE, 'gpt2', as in Llama 3, "
+            "Qwen and SmolLM files); serve the model's Hugging Face directory instead"
+        )
+    tokens = list(_required(path, "tokenizer.ggml.tokens"))
+    types = list(_field(path, "tokenizer.ggml.token_type", []))
+    alphabet = _byte_alphabet()
+    spelled = set(alphabet.values())
+    vocab = {(t if set(t) <= spelled else "".join(alphabet[b] for b in t.encode())): i for i, t in enumerate(tokens)}
+    merges = [tuple(m.split(" ", 1)) for m in _required(path, "tokenizer.ggml.merges")]
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    split = SPLITS.get(_field(path, "tokenizer.ggml.pre"))
+    if split is None:
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    tokenizer.decoder = decoders.ByteLevel()
+    # A control token spelled outside the byte alphabet is a converter mislabel: skip it.
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                  for t, kind in zip(tokens, types, strict=False)
+                                  if kind == TOKEN_TYPE_CONTROL and set(t) <= spelled])
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False)
+                          for t, kind in zip(tokens, types, strict=False) if kind == TOKEN_TYPE_USER_DEFINED])
+
+    def token(key: str) -> str | None:
+        index = _field(path, f"tokenizer.ggml.{key}")
+        return tokens[index] if index is not None and 0 <= index < len(tokens) else None
+
+    bos = token("bos_token_id")
+    if _field(path, "tokenizer.ggml.add_bos_token", False) and bos is not None:
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab[bos])])
+    config = {
+        "bos_token": bos,
+        "eos_token": token("eos_token_id"),
+        "unk_token": token("unknown_token_id"),
+        "pad_token": token("padding_token_id"),
+        "chat_template": _field(path, "tokenizer.chat_template"),
+    }
+    return tokenizer, config
+
+
+def gguf_eos_token_ids(path: Path) -> list[int]:
+    """End-of-sequence ids: eos plus end-of-turn / end-of-message where the file names them."""
+    keys = ("eos_token_id", "eot_token_id", "eom_token_id")
+    return sorted({v for k in keys if (v := _field(path, f"tokenizer.ggml.{k}")) is not None})
