@@ -26,6 +26,8 @@ from hybridlb.cli_common import (
 from hybridlb.cli_common import fail as _fail
 from hybridlb.config import Config, ConfigError, EngineConfig, load_config, parse_config
 
+MODEL_HELP = "Checkpoint: a Hugging Face directory, a .gguf file, or package:DIST/PATH."
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, pretty_exceptions_enable=False)
 app.add_typer(bench_app, name="bench")
 render_app = typer.Typer(no_args_is_help=True, help="Render the cluster for other platforms.")
@@ -49,7 +51,7 @@ def build_config(config: Path | None, model: str | None, overrides: dict[str, di
     for name, values in overrides.items():
         sections[name].update({k: v for k, v in values.items() if v is not None})
     if "model" not in sections["engine"]:
-        _fail("no model given: pass --model DIR or --config FILE.yaml (try configs/local.yaml)")
+        _fail("no model given: pass --model DIR|FILE.gguf or --config FILE.yaml (try configs/local.yaml)")
     try:
         return parse_config({**data, **sections}, str(config or "flags"))
     except ConfigError as exc:
@@ -65,6 +67,21 @@ def ensure_checkpoint(engine: EngineConfig) -> None:
     spec = engine.make_if_missing
     typer.echo(f"making a {spec.size} random-weight {spec.arch} checkpoint at {engine.model}", err=True)
     make_model(spec.arch, spec.size, engine.model, seed=spec.seed)
+
+
+def check_model_options(cfg: Config) -> None:
+    """Fail before anything starts on a model, chat template or generation config that cannot load."""
+    from hybridlb.model.chat_template import read_template_argument
+    from hybridlb.model.checkpoint import CheckpointError, resolve
+    from hybridlb.model.generation_config import sampling_defaults
+
+    try:
+        resolve(cfg.engine.model)
+        if cfg.api.chat_template:
+            read_template_argument(cfg.api.chat_template)
+        sampling_defaults(cfg.engine.model, cfg.api.generation_config)
+    except CheckpointError as exc:
+        _fail(str(exc))
 
 
 @app.command("make-model")
@@ -88,7 +105,7 @@ def make_model_command(
 @app.command()
 def generate(
     prompt: Annotated[list[str], typer.Option(help="Prompt text; repeat for a batch.")],
-    model: Annotated[str | None, typer.Option(help="Checkpoint directory.")] = None,
+    model: Annotated[str | None, typer.Option(help=MODEL_HELP)] = None,
     config: Annotated[Path | None, typer.Option(help="YAML config; flags override it.")] = None,
     max_tokens: Annotated[int, typer.Option(help="Tokens to generate per prompt.")] = 32,
     temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.0,
@@ -163,7 +180,7 @@ def _plan(cfg: Config):
 
 @app.command()
 def serve(
-    model: Annotated[str | None, typer.Option(help="Checkpoint directory.")] = None,
+    model: Annotated[str | None, typer.Option(help=MODEL_HELP)] = None,
     config: Annotated[Path | None, typer.Option(help="YAML config; flags override it.")] = None,
     host: Annotated[str | None, typer.Option(help="HTTP interface (default 127.0.0.1).")] = None,
     port: Annotated[int | None, typer.Option(help="HTTP port (default 8000).")] = None,
@@ -171,6 +188,10 @@ def serve(
     api_key: Annotated[str | None, typer.Option(help="Require 'Authorization: Bearer KEY' on /v1.")] = None,
     max_concurrent_requests: Annotated[int | None, typer.Option(
         help="Requests each API server works on at once; more get 429 (default 4096, 0: no limit).")] = None,
+    chat_template: Annotated[str | None, typer.Option(
+        help="Chat template file (or text) replacing the model's own.")] = None,
+    generation_config: Annotated[str | None, typer.Option(
+        help="Sampling defaults: auto (the model's generation_config.json), vllm (none) or a directory.")] = None,
     max_model_len: Annotated[int | None, typer.Option()] = None,
     max_num_seqs: Annotated[int | None, typer.Option()] = None,
     max_num_batched_tokens: Annotated[int | None, typer.Option()] = None,
@@ -219,11 +240,13 @@ def serve(
                        expert_parallel=enable_expert_parallel, async_dp_coordination=async_dp_coordination,
                        simulate=_simulate(simulate_step_ms, simulate_per_token_ms)),
         "api": dict(host=host, port=port, served_model_name=served_model_name, api_key=api_key,
-                    max_concurrent_requests=max_concurrent_requests),
+                    max_concurrent_requests=max_concurrent_requests, chat_template=chat_template,
+                    generation_config=generation_config),
         **parallel,
     })
 
     ensure_checkpoint(cfg.engine)
+    check_model_options(cfg)
     if cfg.engine.simulate is not None:
         typer.secho(f"warning: SIMULATED engines ({cfg.engine.simulate.step_ms:g} ms per step, no model "
                     "loaded): for control-plane benchmarks only", fg=typer.colors.YELLOW, err=True)
@@ -242,7 +265,7 @@ def _simulate(step_ms: float | None, per_token_ms: float | None) -> dict | None:
 
 @app.command()
 def plan(
-    model: Annotated[str | None, typer.Option(help="Checkpoint directory (read for dense vs MoE).")] = None,
+    model: Annotated[str | None, typer.Option(help=MODEL_HELP + " Read for dense vs MoE.")] = None,
     config: Annotated[Path | None, typer.Option(help="YAML config; flags override it.")] = None,
     host: Annotated[str | None, typer.Option(help="HTTP interface.")] = None,
     port: Annotated[int | None, typer.Option(help="HTTP port.")] = None,
@@ -292,6 +315,7 @@ def up(
     from hybridlb.launch.ray_up import up as ray_up
 
     cfg, plan = _whole_cluster(config, {"ray": dict(address=address, name=name)})
+    check_model_options(cfg)
     try:
         code = ray_up(cfg, plan, detach)
     except UpError as exc:

@@ -46,7 +46,8 @@ class SimulateConfig(_Section):
 class EngineConfig(_Section):
     """What one engine (one data-parallel rank) needs to load a model and run it."""
 
-    model: str = Field(description="Path to a local Hugging Face checkpoint directory (never downloaded).")
+    model: str = Field(description="The checkpoint (never downloaded): a Hugging Face directory, a .gguf file "
+                       "(or a directory holding one), or package:DIST/PATH for a file inside an installed package.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Weight and activation dtype; auto is float32 on CPU and bfloat16 on CUDA."
     )
@@ -122,6 +123,13 @@ class ApiConfig(_Section):
         "429 with Retry-After. /health, /load, /metrics and /version are never refused. 0: no limit."
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("warning", description="HTTP server log level.")
+    chat_template: str | None = Field(
+        None, description="Chat template replacing the checkpoint's own: a .jinja file or the template text."
+    )
+    generation_config: str = Field(
+        "auto", description="Sampling defaults for fields a request leaves unset: auto (the model's "
+        "generation_config.json), vllm (none: OpenAI's defaults) or a directory holding generation_config.json."
+    )
 
 
 class NodeConfig(_Section):

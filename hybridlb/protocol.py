@@ -106,6 +106,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     stop: list[str] = msgspec.field(default_factory=list)
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
     ignore_eos: bool = False
+    repetition_penalty: float = 1.0  # > 1 discourages tokens already in the prompt or output
 
     @property
     def greedy(self) -> bool:
@@ -122,6 +123,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
             found.append(("top_p", f"top_p must be in (0, 1], got {self.top_p}"))
         if self.top_k < 0:
             found.append(("top_k", f"top_k must be >= 0 (0 disables it), got {self.top_k}"))
+        if not 0 < self.repetition_penalty <= 100:
+            found.append(("repetition_penalty", f"repetition_penalty must be in (0, 100], got {self.repetition_penalty}"))
         if any(not s for s in self.stop):
             found.append(("stop", "stop strings must not be empty"))
         if any(t < 0 for t in self.stop_token_ids):

@@ -28,6 +28,8 @@ from hybridlb.api.frontend import Frontend
 from hybridlb.api.metrics import Metrics
 from hybridlb.api.schemas import ChatCompletionRequest, CompletionRequest
 from hybridlb.config import Config
+from hybridlb.model.chat_template import read_template_argument
+from hybridlb.model.generation_config import sampling_defaults
 from hybridlb.model.tokenizer import Tokenizer
 from hybridlb.protocol import loads_decoder
 from hybridlb.transport import connect_securely
@@ -159,7 +161,9 @@ def create_app(config: Config, spec: ApiServerSpec, on_ready: Callable[[], None]
     ``observer`` mirrors metrics elsewhere (see ``Metrics``)."""
     name = config.served_model_name
     metrics = Metrics(name, observer)
-    tokenizer = Tokenizer(config.engine.model)
+    tokenizer = Tokenizer(config.engine.model, read_template_argument(config.api.chat_template)
+                          if config.api.chat_template else None)
+    defaults = sampling_defaults(config.engine.model, config.api.generation_config)
     state: dict[str, Frontend] = {}
 
     @contextlib.asynccontextmanager
@@ -173,7 +177,8 @@ def create_app(config: Config, spec: ApiServerSpec, on_ready: Callable[[], None]
             metrics.register_engine(connection.rank)
             connection.start()
         frontend = state["frontend"] = Frontend(connections, tokenizer, metrics, spec.policy,
-                                                        follows_coordinator=spec.coordinator_loads is not None)
+                                                        follows_coordinator=spec.coordinator_loads is not None,
+                                                        sampling_defaults=defaults)
         tasks = [asyncio.create_task(_announce_ready(connections, on_ready))]
         if spec.coordinator_loads:
             tasks.append(asyncio.create_task(_follow_coordinator(context, spec.coordinator_loads, frontend,

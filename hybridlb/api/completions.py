@@ -63,20 +63,20 @@ def _token_ids(frontend: Frontend, prompt: str | list[int]) -> list[int]:
     return ids
 
 
-def _params(body: _Sampling, ids: list[int], requested: int | None, limit: int) -> SamplingParams:
+def _params(frontend: Frontend, body: _Sampling, ids: list[int], requested: int | None) -> SamplingParams:
+    limit = frontend.max_model_len
     room = limit - len(ids)
     if room < 1 or (requested is not None and requested > room):
         wanted = f" plus max_tokens={requested}" if requested is not None else ""
         raise APIError(400, f"the prompt has {len(ids)} tokens{wanted}, more than max_model_len={limit}; "
                             "shorten the prompt or lower max_tokens", param="max_tokens")
-    return body.sampling_params(requested)
+    return body.sampling_params(requested, frontend.sampling_defaults)
 
 
 def completion_job(frontend: Frontend, body: CompletionRequest) -> Job:
     body.check_supported()
     prompts = [_token_ids(frontend, p) for p in body.prompts()]
-    limit = frontend.max_model_len
-    params = [_params(body, ids, body.max_tokens, limit) for ids in prompts]
+    params = [_params(frontend, body, ids, body.max_tokens) for ids in prompts]
     return Job("text_completion", f"cmpl-{uuid.uuid4().hex}", body.model, prompts, params, body.include_usage)
 
 
@@ -88,7 +88,7 @@ def chat_job(frontend: Frontend, body: ChatCompletionRequest) -> Job:
     except Exception as exc:
         raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from None
     ids = frontend.tokenizer.encode(text, add_special_tokens=False)
-    params = _params(body, ids, body.requested_max_tokens, frontend.max_model_len)
+    params = _params(frontend, body, ids, body.requested_max_tokens)
     return Job("chat.completion", f"chatcmpl-{uuid.uuid4().hex}", body.model, [ids], [params], body.include_usage)
 
 

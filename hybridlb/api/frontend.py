@@ -40,8 +40,10 @@ class Delta:
 
 class Frontend:
     def __init__(self, engines: list[EngineConnection], tokenizer: Tokenizer, metrics: Metrics,
-                 policy: str = "least_loaded", follows_coordinator: bool = False):
+                 policy: str = "least_loaded", follows_coordinator: bool = False,
+                 sampling_defaults: dict | None = None):
         self.engines = engines
+        self.sampling_defaults = sampling_defaults or {}  # the model's generation_config.json
         self.follows_coordinator = follows_coordinator
         self.snapshot_at = time.monotonic()  # start-up counts as a sign of life
         self.policy = policy

@@ -21,6 +21,7 @@ MAX_PROMPTS = 1024  # prompts in one completion request (each becomes an engine 
 MAX_STOP = 64  # stop strings per request
 MAX_STOP_CHARS = 1024  # characters per stop string
 MAX_STOP_TOKEN_IDS = 1024
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "repetition_penalty")  # defaulted from generation_config
 
 
 def _valid_unicode(text: str) -> str:
@@ -44,9 +45,11 @@ class _Sampling(BaseModel):
 
     model: Text
     max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: Int64 = 0
+    # Unset sampling fields take the model's generation_config.json defaults, then OpenAI's.
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: Int64 | None = None
+    repetition_penalty: float | None = None
     n: int = 1
     seed: Int64 | None = None
     stop: Text | list[Text] | None = None
@@ -78,10 +81,13 @@ class _Sampling(BaseModel):
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
-    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, defaults: dict | None = None) -> SamplingParams:
+        """The request's params; fields it leaves unset come from ``defaults`` (the model's)."""
+        sampling = {**(defaults or {}), **{name: getattr(self, name) for name in SAMPLING_FIELDS
+                                           if getattr(self, name) is not None}}
         params = SamplingParams(
-            max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-            seed=self.seed, stop=self.stops, stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
+            max_tokens=max_tokens, seed=self.seed, stop=self.stops, stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos, **sampling,
         )
         for param, message in params.problems():
             raise APIError(400, message, param=param)

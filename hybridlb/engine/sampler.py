@@ -1,6 +1,8 @@
 """Turn the last-position logits of a batch into one token per request.
 
-Greedy rows take the argmax. Sampled rows apply temperature, top-k and top-p, then
+A repetition penalty (as in transformers and vLLM) first divides the positive logits,
+and multiplies the negative ones, of every token already in the prompt or output.
+Greedy rows then take the argmax. Sampled rows apply temperature, top-k and top-p, then
 draw with the exponential-race trick (argmax of probs / Exp(1) noise), which lets each
 seeded request draw its noise from its own generator: a seeded request samples the
 same tokens whatever else shares its batch.
@@ -19,6 +21,7 @@ class Sampler:
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
+        _penalize_repetition(logits, requests)
         tokens = logits.argmax(dim=-1)
         sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
         if sampled:
@@ -40,6 +43,16 @@ class Sampler:
         for row, request in enumerate(requests):
             noise[row].exponential_(generator=request.generator or self.generator)
         return noise
+
+
+def _penalize_repetition(logits: torch.Tensor, requests: list[Request]) -> None:
+    for row, request in enumerate(requests):
+        penalty = request.params.repetition_penalty
+        if penalty == 1.0:
+            continue
+        seen = torch.tensor(sorted(set(request.token_ids)), device=logits.device)
+        values = logits[row, seen]
+        logits[row, seen] = torch.where(values > 0, values / penalty, values * penalty)
 
 
 def _top_k(logits: torch.Tensor, ks: list[int]) -> torch.Tensor:

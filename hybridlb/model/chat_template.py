@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from pathlib import Path
+from typing import ClassVar
 
 from jinja2 import TemplateError, nodes
 from jinja2.ext import Extension, loopcontrols
@@ -24,7 +25,7 @@ class _GenerationTag(Extension):
     """``{% generation %}...{% endgeneration %}`` marks assistant text for training masks; here
     it renders its body unchanged."""
 
-    tags = {"generation"}
+    tags: ClassVar[set[str]] = {"generation"}
 
     def parse(self, parser):
         lineno = next(parser.stream).lineno

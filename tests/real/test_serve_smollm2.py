@@ -1,0 +1,61 @@
+"""`hybridlb serve --model SmolLM2.gguf` through the openai SDK: completions and chat,
+streamed and not, return transformers' greedy tokens and a correct answer."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.conftest import PROMPTS, REAL_NEW_TOKENS, reference_greedy
+
+CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def client(smollm2_server):
+    return openai.OpenAI(base_url=f"{smollm2_server.url}/v1", api_key="unused")
+
+
+def _expected_text(smollm2_transformers, tokens: list[int]) -> str:
+    return smollm2_transformers[1].decode(tokens, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions_return_transformers_greedy_text(client, smollm2_transformers, smollm2_reference, stream):
+    for prompt in PROMPTS[:4]:
+        args = dict(model="smollm2", prompt=prompt, max_tokens=REAL_NEW_TOKENS, temperature=0,
+                    extra_body={"ignore_eos": True})
+        if stream:
+            text = "".join(c.choices[0].text for c in client.completions.create(stream=True, **args) if c.choices)
+        else:
+            out = client.completions.create(**args)
+            assert out.usage.completion_tokens == REAL_NEW_TOKENS
+            text = out.choices[0].text
+        assert text == _expected_text(smollm2_transformers, smollm2_reference[prompt])
+
+
+def test_a_batch_of_token_prompts_returns_each_prompts_tokens(client, smollm2_transformers, smollm2_reference):
+    tokenizer = smollm2_transformers[1]
+    out = client.completions.create(model="smollm2", prompt=[tokenizer.encode(p) for p in PROMPTS],
+                                    max_tokens=REAL_NEW_TOKENS, temperature=0, extra_body={"ignore_eos": True})
+    texts = [choice.text for choice in sorted(out.choices, key=lambda c: c.index)]
+    assert texts == [_expected_text(smollm2_transformers, smollm2_reference[p]) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_equals_transformers_and_names_paris(client, smollm2_transformers, stream):
+    model, tokenizer = smollm2_transformers
+    ids = tokenizer.apply_chat_template(CAPITAL, add_generation_prompt=True, tokenize=True, return_dict=False)
+    expected = reference_greedy(model, [list(ids)], REAL_NEW_TOKENS)[0]
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    expected_text = tokenizer.decode(expected[: expected.index(eos)] if eos in expected else expected)
+    args = dict(model="smollm2", messages=CAPITAL, max_tokens=REAL_NEW_TOKENS, temperature=0)
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, **args))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    else:
+        out = client.chat.completions.create(**args)
+        text, finish = out.choices[0].message.content, [out.choices[0].finish_reason]
+    assert text == expected_text
+    assert "Paris" in text and finish == ["stop"]

@@ -1,0 +1,68 @@
+"""A real checkpoint, SmolLM2-135M-Instruct, loaded from its GGUF file and from the Hugging Face
+directory transformers 5 saves (tied embeddings, chat_template.jinja): greedy tokens, the
+tokenizer and the chat template all equal transformers'."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+from hybridlb import LLM, SamplingParams
+from hybridlb.model.tokenizer import Tokenizer
+from tests.conftest import PROMPTS, REAL_NEW_TOKENS, SMOLLM2
+
+GREEDY = SamplingParams(max_tokens=REAL_NEW_TOKENS, temperature=0, ignore_eos=True)
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Colour of the sky?"}],
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! How can I help?"},
+     {"role": "user", "content": "Tell me a joke about GPUs, café owners and 中文."}],
+]
+
+
+@pytest.fixture(scope="module", params=["gguf", "hf-dir"])
+def real_model(request, smollm2_hf_dir) -> str:
+    return SMOLLM2 if request.param == "gguf" else smollm2_hf_dir
+
+
+def test_greedy_tokens_equal_transformers_alone_and_batched(real_model, smollm2_reference):
+    llm = LLM(real_model, max_model_len=512, num_kv_blocks=256, dtype="float32")
+    batched = llm.generate(PROMPTS, GREEDY)
+    expected = [smollm2_reference[p] for p in PROMPTS]
+    assert sum(len(set(tokens)) for tokens in expected) / len(expected) >= 5, "the reference is degenerate"
+    assert [r.token_ids for r in batched] == expected
+    alone = [llm.generate(prompt, GREEDY)[0].token_ids for prompt in PROMPTS]
+    assert alone == expected
+
+
+def test_tokenizer_and_chat_template_equal_transformers(real_model, smollm2_transformers):
+    _, theirs = smollm2_transformers
+    ours = Tokenizer(real_model)
+    for text in [*PROMPTS, "<|im_start|>user\n  tabs\t\tand   spaces<|im_end|>\n", "1234567 ≤ π"]:
+        assert ours.encode(text) == theirs.encode(text), text
+        assert ours.decode(ours.encode(text)) == theirs.decode(theirs.encode(text), skip_special_tokens=True)
+    for chat in CHATS:
+        expected = theirs.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        assert ours.apply_chat_template(chat) == expected
+    assert ours.eos_token_ids == [theirs.convert_tokens_to_ids("<|im_end|>")]
+
+
+def test_the_hf_directory_is_what_transformers_5_writes(smollm2_hf_dir):
+    directory = Path(smollm2_hf_dir)
+    config = json.loads((directory / "config.json").read_text())
+    assert config["tie_word_embeddings"] is True and "rope_parameters" in config and config["dtype"] == "float32"
+    assert (directory / "chat_template.jinja").is_file()
+    assert "chat_template" not in json.loads((directory / "tokenizer_config.json").read_text())
+    with safe_open(directory / "model.safetensors", framework="pt") as handle:
+        assert "lm_head.weight" not in handle.keys()
+
+
+def test_chat_answers_the_capital_of_france(smollm2_transformers):
+    llm = LLM(SMOLLM2, max_model_len=512, num_kv_blocks=64)
+    prompt = llm.tokenizer.apply_chat_template(CHATS[0])
+    ids = llm.tokenizer.encode(prompt, add_special_tokens=False)
+    answer = llm.generate([ids], SamplingParams(max_tokens=32, temperature=0))[0]
+    assert "Paris" in answer.text and answer.finish_reason == "stop"
