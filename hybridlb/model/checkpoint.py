@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
 
@@ -70,7 +69,6 @@ def _package_file(spec: str) -> Path:
     return path
 
 
-@lru_cache(maxsize=16)
 def resolve(model: str | Path) -> Checkpoint:
     """The checkpoint a model argument names, or a CheckpointError saying what is wrong."""
     text = str(model)

@@ -65,10 +65,10 @@ def train_tokenizer(vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
-def model_config(arch: str, size: str, vocab_size: int, eos_ids: list[int]) -> dict:
-    """config.json in the Hugging Face hub's field names."""
+def model_config(arch: str, size: str, vocab_size: int, eos_ids: list[int], dims: dict | None = None) -> dict:
+    """config.json in the Hugging Face hub's field names; ``dims`` overrides the size's fields."""
     architecture, model_type = ARCHITECTURES[arch]
-    dims = dict(SIZES[size])
+    dims = {**SIZES[size], **(dims or {})}
     moe = {k: dims.pop(k) for k in ("moe_intermediate_size", "num_experts", "num_experts_per_tok")}
     cfg = {
         "architectures": [architecture],
@@ -133,8 +133,10 @@ def _save_weights(tensors: dict[str, torch.Tensor], out: Path, max_shard_mb: flo
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-def make_model(arch: str, size: str, out: str | Path, seed: int = 0, max_shard_mb: float | None = None) -> Path:
-    """Write a random-weight checkpoint of ``arch`` at ``size`` into ``out``."""
+def make_model(arch: str, size: str, out: str | Path, seed: int = 0, max_shard_mb: float | None = None,
+               dims: dict | None = None) -> Path:
+    """Write a random-weight checkpoint of ``arch`` at ``size`` into ``out`` (``dims``: config.json
+    fields to change, e.g. ``{"hidden_size": 256}``)."""
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHITECTURES)}")
     if size not in SIZES:
@@ -143,7 +145,7 @@ def make_model(arch: str, size: str, out: str | Path, seed: int = 0, max_shard_m
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer(SIZES[size]["vocab_size"])
     eos_ids = [tokenizer.token_to_id("<|im_end|>"), tokenizer.token_to_id("<|endoftext|>")]
-    cfg = model_config(arch, size, tokenizer.get_vocab_size(), eos_ids)
+    cfg = model_config(arch, size, tokenizer.get_vocab_size(), eos_ids, dims)
     _save_weights(random_weights(cfg, seed), out, max_shard_mb)
     tokenizer.save(str(out / "tokenizer.json"))
     files = {

@@ -149,6 +149,10 @@ def parse_spec(cfg: dict, path: Path) -> ModelSpec:
     family = SUPPORTED_ARCHITECTURES[arch]
     if cfg.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"{path}: hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
+    if cfg.get("quantization_config"):
+        method = cfg["quantization_config"].get("quant_method", "?")
+        raise CheckpointError(f"{path}: quantized checkpoints ({method}) are not supported; serve the "
+                              "unquantized checkpoint, or a GGUF file")
     if cfg.get("mlp_bias"):
         raise CheckpointError(f"{path}: mlp_bias=true is not supported")
     hidden = _require(cfg, "hidden_size", path)

