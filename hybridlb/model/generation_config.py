@@ -13,7 +13,6 @@ from pathlib import Path
 from hybridlb.model.checkpoint import CheckpointError, resolve
 from hybridlb.model.tokenizer import read_json
 
-
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")  # also SamplingParams fields
 
 
