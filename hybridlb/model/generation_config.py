@@ -3,7 +3,8 @@
 As vLLM does by default (``--generation-config auto``), a request that leaves a sampling
 field unset gets the model's own value (SmolLM2, Qwen and Llama instruct models tune
 their temperature / top_p this way); ``vllm`` ignores the file, and a directory path
-reads ``generation_config.json`` from there instead.
+reads ``generation_config.json`` from there instead. A GGUF file carries the same
+defaults as ``general.sampling.*`` metadata (when its converter wrote them).
 """
 
 from __future__ import annotations
@@ -21,7 +22,12 @@ def sampling_defaults(model: str | Path, setting: str = "auto") -> dict[str, flo
     if setting == "vllm":
         return {}
     if setting == "auto":
-        path = resolve(model).directory / "generation_config.json"
+        checkpoint = resolve(model)
+        if checkpoint.is_gguf:
+            from hybridlb.model.gguf_file import gguf_sampling_defaults
+
+            return gguf_sampling_defaults(checkpoint.path)
+        path = checkpoint.path / "generation_config.json"
     else:
         path = Path(setting) / "generation_config.json"
         if not path.is_file():

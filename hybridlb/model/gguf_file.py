@@ -273,3 +273,12 @@ def gguf_eos_token_ids(path: Path) -> list[int]:
     """End-of-sequence ids: eos plus end-of-turn / end-of-message where the file names them."""
     keys = ("eos_token_id", "eot_token_id", "eom_token_id")
     return sorted({v for k in keys if (v := _field(path, f"tokenizer.ggml.{k}")) is not None})
+
+
+GGUF_SAMPLING = {"temp": "temperature", "top_p": "top_p", "top_k": "top_k", "penalty_repeat": "repetition_penalty"}
+
+
+def gguf_sampling_defaults(path: Path) -> dict[str, float | int]:
+    """The ``general.sampling.*`` defaults a converter may record, as SamplingParams fields."""
+    found = {field: _field(path, f"general.sampling.{key}") for key, field in GGUF_SAMPLING.items()}
+    return {field: value for field, value in found.items() if value is not None}

@@ -21,8 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_up_local_config_serves_and_stops_on_ctrl_c(tmp_path):
-    config = yaml.safe_load((ROOT / "configs/local.yaml").read_text())
-    config["engine"]["model"] = str(tmp_path / "models/tiny-qwen3")  # made on first use
+    config = yaml.safe_load((ROOT / "configs/local.yaml").read_text())  # the real model, SmolLM2
     config["api"]["port"] = port = free_port()
     config["ray"]["name"] = "readme"
     path = tmp_path / "local.yaml"
@@ -39,9 +38,11 @@ def test_up_local_config_serves_and_stops_on_ctrl_c(tmp_path):
             time.sleep(0.5)
         output = "".join(lines)
         assert re.search(rf"http://127\.0\.0\.1:{port}/v1", output), output
-        body = {"model": config["engine"]["model"], "prompt": "The weather", "max_tokens": 5}
-        response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60)
-        assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 5
+        body = {"model": "SmolLM2-135M-Instruct", "temperature": 0, "max_tokens": 32,
+                "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+        response = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        assert "Paris" in response.json()["choices"][0]["message"]["content"]
         ranks = httpx.get(f"http://127.0.0.1:{port}/ranks").json()
         assert ranks["ranks"] == [0, 1]
     finally:
