@@ -56,15 +56,17 @@ def _random_k_blocks(shape: tuple[int, int], qtype, rng: np.random.Generator) ->
     return blocks.reshape(shape[0], -1)
 
 
-def write_gguf(model_dir: str | Path, out: str | Path, qtype_name: str, seed: int = 0) -> Path:
-    """``model_dir`` (a llama make-model checkpoint) as one GGUF file at ``out``."""
+def write_gguf(model_dir: str | Path, out: str | Path, qtype_name: str, seed: int = 0, arch: str = "llama",
+               tokenizer_model: str = "gpt2") -> Path:
+    """``model_dir`` (a llama make-model checkpoint) as one GGUF file at ``out``; ``arch`` and
+    ``tokenizer_model`` only change what the metadata says (to make broken files)."""
     import gguf
 
     qtype = gguf.GGMLQuantizationType[qtype_name]
     model_dir, out = Path(model_dir), Path(out)
     cfg = json.loads((model_dir / "config.json").read_text())
     tok = json.loads((model_dir / "tokenizer.json").read_text())
-    writer = gguf.GGUFWriter(out, "llama")
+    writer = gguf.GGUFWriter(out, arch)
     writer.add_block_count(cfg["num_hidden_layers"])
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_embedding_length(cfg["hidden_size"])
@@ -80,7 +82,7 @@ def write_gguf(model_dir: str | Path, out: str | Path, qtype_name: str, seed: in
     vocab = {**tok["model"]["vocab"], **{t["content"]: t["id"] for t in tok["added_tokens"]}}
     tokens = [token for token, _ in sorted(vocab.items(), key=lambda item: item[1])]
     special = {t["content"] for t in tok["added_tokens"] if t["special"]}
-    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_model(tokenizer_model)
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
     writer.add_token_types([3 if t in special else 1 for t in tokens])

@@ -56,6 +56,12 @@ def test_broken_gguf_files_fail_clearly(tmp_path, llama_dir):
         LLM(str(garbage))
     with pytest.raises(CheckpointError, match=r"a file must be a \.gguf"):
         LLM(str(llama_dir / "config.json"))
+    gpt2 = write_gguf(llama_dir, tmp_path / "gpt2.gguf", "F16", arch="gpt2")
+    with pytest.raises(CheckpointError, match=r"GGUF architecture 'gpt2' is not supported; supported: llama, qwen2"):
+        LLM(str(gpt2))
+    spm = write_gguf(llama_dir, tmp_path / "spm.gguf", "F16", tokenizer_model="llama")
+    with pytest.raises(CheckpointError, match=r"GGUF tokenizer 'llama' is not supported .* Hugging Face directory"):
+        Tokenizer(str(spm))
 
 
 def test_package_model_paths_name_the_install_command():

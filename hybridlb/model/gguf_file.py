@@ -17,11 +17,14 @@ from __future__ import annotations
 import re
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from hybridlb.model.checkpoint import CheckpointError
+
+if TYPE_CHECKING:  # API servers and simulated engines read GGUF metadata without loading torch
+    import torch
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 TOKEN_TYPE_CONTROL = 3
@@ -105,6 +108,9 @@ def gguf_config(path: Path) -> dict:
     if arch not in ARCHITECTURES:
         raise CheckpointError(f"{path}: GGUF architecture {arch!r} is not supported; "
                               f"supported: {', '.join(ARCHITECTURES)}")
+    if _field(path, f"{arch}.expert_count"):
+        raise CheckpointError(f"{path}: MoE GGUF files ({arch}.expert_count={_field(path, f'{arch}.expert_count')}) "
+                              "are not supported; serve the model's Hugging Face directory")
     heads = int(_required(path, f"{arch}.attention.head_count"))
     kv_heads = _field(path, f"{arch}.attention.head_count_kv", heads)
     if not isinstance(kv_heads, int):
@@ -180,6 +186,8 @@ class GGUFTensorReader:
         if gguf_name is None:
             raise CheckpointError(f"{self.path}: tensor {name} (GGUF {_gguf_name(name)}, shape {list(shape)}) "
                                   "is missing")
+        import torch
+
         array = _dequantized(self.path, gguf_name)
         if tuple(array.shape) != shape:
             raise CheckpointError(f"{self.path}: tensor {gguf_name} has shape {list(array.shape)}, "
