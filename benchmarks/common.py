@@ -67,6 +67,17 @@ def stamp(**extra) -> dict:
             "machine": platform.machine(), "torch": metadata.version("torch"), **extra}
 
 
+def previous_results(out: Path) -> dict:
+    """The JSON an earlier run left at ``out`` (a benchmark re-run for some models keeps the
+    others' rows, each with the stamp of the run that made it), or {}."""
+    import json
+
+    try:
+        return json.loads(out.read_text())
+    except (FileNotFoundError, ValueError):
+        return {}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import SMOLLM2, checkpoint, smollm2_hf_dir, stamp
+from common import SMOLLM2, checkpoint, previous_results, smollm2_hf_dir, stamp
 
 from hybridlb import LLM, SamplingParams
 
@@ -154,8 +154,13 @@ def main() -> None:
             path = hf_path = checkpoint(args.models_dir, ARCHES[kind], "small")
         results.append(bench_model(ARCHES[kind], path, hf_path, args))
     print_table(results)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = stamp(threads=torch.get_num_threads(), quick=args.quick, dtype=args.dtype)
+    previous = previous_results(args.out)
+    fresh = {r["arch"] for r in results}
+    kept = [{"meta": previous.get("meta"), **r} for r in previous.get("results", []) if r["arch"] not in fresh]
+    results = [{"meta": meta, **r} for r in results] + kept
+    results.sort(key=lambda r: list(ARCHES.values()).index(r["arch"]) if r["arch"] in ARCHES.values() else 99)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     print(f"\nwrote {args.out}")
 

@@ -44,3 +44,15 @@ def test_errors_are_one_clear_line(tmp_path):
     assert bad_arch.returncode == 2 and "unknown arch 'gpt2'" in bad_arch.stderr
     no_model = _hybridlb("generate", "--prompt", "x")
     assert no_model.returncode == 2 and "--model" in no_model.stderr
+
+
+def test_generate_takes_a_gguf_model_and_the_default_config():
+    from tests.conftest import SMOLLM2
+
+    params = SamplingParams(max_tokens=8, temperature=0)
+    expected = LLM(SMOLLM2, max_model_len=256, num_kv_blocks=32).generate(["The capital of France is"], params)[0]
+    for source in (["--model", SMOLLM2], ["--config", "configs/local.yaml"]):
+        run = _hybridlb("generate", *source, "--prompt", "The capital of France is", "--max-tokens", "8", "--json")
+        assert run.returncode == 0, run.stderr
+        assert json.loads(run.stdout)["token_ids"] == expected.token_ids
+    assert "Paris" in expected.text

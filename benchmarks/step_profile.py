@@ -1,0 +1,124 @@
+"""Where one engine step goes: a decode step and a prefill step, profiled.
+
+For any model and batch: torch ops by self time, the share of wall time spent outside
+torch ops (Python, scheduling, tensor building), and time per part of the model (embed,
+each decoder layer's attention and MLP, final norm, lm_head + sampling) measured with
+forward hooks. Default: the real SmolLM2-135M-Instruct, batch 16, 64-token prompts.
+
+    python benchmarks/step_profile.py [--model M] [--batch 16] [--prompt-len 64] [--dtype bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from common import SMOLLM2, stamp
+from torch.profiler import ProfilerActivity, profile
+
+from hybridlb import LLM, SamplingParams
+
+
+class PartTimer:
+    """Wall time per model part, from forward pre/post hooks (parts run one after another)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.seconds: dict[str, float] = defaultdict(float)
+        self._started: dict[str, float] = {}
+        self.handles = []
+        self._hook(model.embed, "embed")
+        self._hook(model.norm, "final norm")
+        self._hook(model.lm_head, "lm_head")
+        for layer in model.layers:
+            self._hook(layer.self_attn, "attention (all layers)")
+            self._hook(layer.mlp, "mlp (all layers)")
+            self._hook(layer.input_norm, "norms (all layers)")
+            self._hook(layer.post_attn_norm, "norms (all layers)")
+
+    def _hook(self, module: torch.nn.Module, name: str) -> None:
+        def before(*_):
+            self._started[name] = time.perf_counter()
+
+        def after(*_):
+            self.seconds[name] += time.perf_counter() - self._started.pop(name)
+
+        self.handles += [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def profile_steps(llm: LLM, steps: int) -> dict:
+    core = llm.engine
+    timer = PartTimer(core.runner.model)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            core.step()
+        wall = time.perf_counter() - start
+    timer.remove()
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    inside = sum(e.self_cpu_time_total for e in events) / 1e6
+    ops = [{"op": e.key, "self_ms_per_step": e.self_cpu_time_total / 1e3 / steps, "calls_per_step": e.count / steps,
+            "share": e.self_cpu_time_total / 1e6 / wall} for e in events[:15]]
+    parts = {name: 1000 * s / steps for name, s in timer.seconds.items()}
+    return {"step_ms": 1000 * wall / steps, "outside_torch_share": max(0.0, 1 - inside / wall), "ops": ops,
+            "parts_ms": parts}
+
+
+def start_requests(llm: LLM, batch: int, prompt_len: int, max_tokens: int, prefix: str) -> list[str]:
+    rng = random.Random(0)
+    vocab = llm.engine.vocab_size
+    ids = [f"{prefix}{i}" for i in range(batch)]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    for request_id in ids:
+        llm.engine.add_request(request_id, [rng.randrange(3, vocab) for _ in range(prompt_len)], params)
+    return ids
+
+
+def print_profile(title: str, result: dict) -> None:
+    print(f"\n{title}: {result['step_ms']:.1f} ms per step, {result['outside_torch_share']:.0%} outside torch ops")
+    for name, ms in sorted(result["parts_ms"].items(), key=lambda kv: -kv[1]):
+        print(f"  {name:<26} {ms:8.2f} ms")
+    print(f"  {'op':<48} {'ms/step':>8} {'calls':>7} {'share':>6}")
+    for op in result["ops"]:
+        print(f"  {op['op'][:48]:<48} {op['self_ms_per_step']:>8.2f} {op['calls_per_step']:>7.0f} {op['share']:>6.0%}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=SMOLLM2)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/step_profile.json"))
+    args = parser.parse_args()
+    llm = LLM(args.model, max_model_len=2048, kv_cache_gib=0.5, dtype=args.dtype,
+              max_num_batched_tokens=max(2048, args.batch * args.prompt_len))
+    warm = start_requests(llm, args.batch, args.prompt_len, 4, "warm")
+    while llm.engine.scheduler.waiting or llm.engine.scheduler.running:
+        llm.engine.step()
+    llm.engine.abort(warm)
+    start_requests(llm, args.batch, args.prompt_len, args.steps * 4, "p")
+    prefill = profile_steps(llm, 1)  # one step prefills the whole batch (budget allows it)
+    decode = profile_steps(llm, args.steps)
+    print(f"model {args.model}, dtype {llm.engine.runner.dtype}, batch {args.batch}, prompt {args.prompt_len}, "
+          f"threads {torch.get_num_threads()}")
+    print_profile(f"prefill ({args.batch} x {args.prompt_len} tokens)", prefill)
+    print_profile(f"decode (batch {args.batch})", decode)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"meta": stamp(model=args.model, batch=args.batch, prompt_len=args.prompt_len,
+                                                  dtype=str(llm.engine.runner.dtype)),
+                                    "prefill": prefill, "decode": decode}, indent=2))
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
