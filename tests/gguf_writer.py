@@ -57,9 +57,10 @@ def _random_k_blocks(shape: tuple[int, int], qtype, rng: np.random.Generator) ->
 
 
 def write_gguf(model_dir: str | Path, out: str | Path, qtype_name: str, seed: int = 0, arch: str = "llama",
-               tokenizer_model: str = "gpt2") -> Path:
+               tokenizer_model: str = "gpt2", sampling: dict | None = None) -> Path:
     """``model_dir`` (a llama make-model checkpoint) as one GGUF file at ``out``; ``arch`` and
-    ``tokenizer_model`` only change what the metadata says (to make broken files)."""
+    ``tokenizer_model`` only change what the metadata says (to make broken files); ``sampling``
+    writes ``general.sampling.*`` defaults (keys temp, top_k, top_p, penalty_repeat)."""
     import gguf
 
     qtype = gguf.GGMLQuantizationType[qtype_name]
@@ -79,6 +80,8 @@ def write_gguf(model_dir: str | Path, out: str | Path, qtype_name: str, seed: in
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_rope_freq_base(cfg["rope_theta"])
     writer.add_vocab_size(cfg["vocab_size"])
+    for key, value in (sampling or {}).items():
+        getattr(writer, f"add_sampling_{key}")(value)
     vocab = {**tok["model"]["vocab"], **{t["content"]: t["id"] for t in tok["added_tokens"]}}
     tokens = [token for token, _ in sorted(vocab.items(), key=lambda item: item[1])]
     special = {t["content"] for t in tok["added_tokens"] if t["special"]}

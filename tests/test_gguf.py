@@ -49,6 +49,16 @@ def test_a_directory_holding_one_gguf_file_is_a_model(tmp_path, llama_dir):
         resolve(str(tmp_path))
 
 
+def test_sampling_defaults_come_from_the_gguf_metadata(tmp_path, llama_dir):
+    from hybridlb.model.generation_config import sampling_defaults
+
+    plain = write_gguf(llama_dir, tmp_path / "plain.gguf", "F16")
+    assert sampling_defaults(str(plain)) == {}
+    tuned = write_gguf(llama_dir, tmp_path / "tuned.gguf", "F16", sampling={"temp": 0.5, "top_k": 40})
+    assert sampling_defaults(str(tuned)) == {"temperature": 0.5, "top_k": 40}
+    assert sampling_defaults(str(tuned), "vllm") == {}
+
+
 def test_broken_gguf_files_fail_clearly(tmp_path, llama_dir):
     garbage = tmp_path / "garbage.gguf"
     garbage.write_bytes(b"not a gguf file at all" * 10)

@@ -78,7 +78,8 @@ def resolve(model: str | Path) -> Checkpoint:
             raise CheckpointError(f"model {text}: a file must be a .gguf; otherwise pass the checkpoint directory")
         return Checkpoint(path)
     if not path.is_dir():
-        raise CheckpointError(f"model directory {text} does not exist (nothing is ever downloaded)")
+        kind = "file" if path.suffix == ".gguf" else "directory"
+        raise CheckpointError(f"model {kind} {text} does not exist (nothing is ever downloaded)")
     if not (path / "config.json").is_file():
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
