@@ -84,7 +84,7 @@ def chat_job(frontend: Frontend, body: ChatCompletionRequest) -> Job:
     body.check_supported()
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     try:
-        text = frontend.tokenizer.apply_chat_template(messages)
+        text = frontend.tokenizer.apply_chat_template(messages, **body.template_arguments())
     except Exception as exc:
         raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from None
     ids = frontend.tokenizer.encode(text, add_special_tokens=False)

@@ -147,6 +147,15 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    # Passed to the chat template as transformers passes them (tool calls in the output are
+    # returned as text: there is no tool-call parser).
+    tools: list[dict] | None = None
+    documents: list[dict] | None = None
+    chat_template_kwargs: dict | None = None
+
+    def template_arguments(self) -> dict:
+        """Keyword arguments for Tokenizer.apply_chat_template."""
+        return {**(self.chat_template_kwargs or {}), "tools": self.tools, "documents": self.documents}
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -94,7 +94,8 @@ class Tokenizer:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
-        """Render chat messages to a prompt string with the checkpoint's template."""
+        """Render chat messages to a prompt string with the checkpoint's template; ``kwargs``
+        (tools, documents, chat_template_kwargs) reach the template."""
         if self.chat_template is None:
             raise ValueError("this model has no chat template (no chat_template.jinja, none in "
                              "tokenizer_config.json or the GGUF file); start the server with "

@@ -17,6 +17,7 @@ from hybridlb.model.generation_config import sampling_defaults
 from tests.servers import start_server
 
 TEMPLATE = "{% if messages[0].content == 'boom' %}{{ raise_exception('no explosions here') }}{% endif %}" \
+           "{% if tools %}[{{ tools | length }} tools] {% endif %}{% if greeting is defined %}{{ greeting }} {% endif %}" \
            "Q: {{ messages[-1].content }}\nA:"
 
 
@@ -59,8 +60,13 @@ def test_chat_uses_the_template_given_on_the_command_line(server, greedy_by_defa
     response = _post(server, "chat/completions", {"messages": [{"role": "user", "content": "Hello"}],
                                                    "max_tokens": 2})
     assert response.status_code == 200, response.text
-    expected = Tokenizer(greedy_by_default).encode("Q: Hello\nA:", add_special_tokens=False)
-    assert response.json()["usage"]["prompt_tokens"] == len(expected)
+    tokenizer = Tokenizer(greedy_by_default)
+    assert response.json()["usage"]["prompt_tokens"] == len(tokenizer.encode("Q: Hello\nA:", add_special_tokens=False))
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}] * 2
+    response = _post(server, "chat/completions", {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2,
+                                                   "tools": tools, "chat_template_kwargs": {"greeting": "Hi!"}})
+    expected = tokenizer.encode("[2 tools] Hi! Q: Hello\nA:", add_special_tokens=False)
+    assert response.status_code == 200 and response.json()["usage"]["prompt_tokens"] == len(expected)
     failing = _post(server, "chat/completions", {"messages": [{"role": "user", "content": "boom"}]})
     assert failing.status_code == 400 and "no explosions here" in failing.json()["error"]["message"]
 
