@@ -49,7 +49,8 @@ class EngineConfig(_Section):
     model: str = Field(description="The checkpoint (never downloaded): a Hugging Face directory, a .gguf file "
                        "(or a directory holding one), or package:DIST/PATH for a file inside an installed package.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Weight and activation dtype; auto is float32 on CPU and bfloat16 on CUDA."
+        "auto", description="Weight, activation and KV-cache dtype; auto is bfloat16 on CUDA and on CPUs "
+        "with native bfloat16 matmuls (AMX / AVX512-BF16, as vLLM does), else float32."
     )
     device: Literal["cpu", "cuda"] = Field("cpu", description="Where the model runs.")
     max_num_seqs: int = Field(64, ge=1, description="Most requests in one batch (running queue size).")

@@ -47,8 +47,10 @@ class Server:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = model
+        # float32 unless a test asks otherwise: token-for-token comparisons are exact only there.
+        dtype = [] if "--dtype" in flags else ["--dtype", "float32"]
         command = [sys.executable, "-m", "hybridlb", "serve", "--model", model, "--port", str(self.port),
-                   "--max-model-len", "512", "--kv-cache-gib", "0.05", *flags]
+                   "--max-model-len", "512", "--kv-cache-gib", "0.05", *dtype, *flags]
         # If this test process dies, the server gets SIGTERM instead of living on.
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                         preexec_fn=die_with_parent)

@@ -21,7 +21,7 @@ def _assert_non_degenerate(reference: list[list[int]]) -> None:
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "llama", "mixtral", "qwen2"])
 def test_greedy_matches_transformers_alone_and_batched(checkpoints, arch):
     model = checkpoints(arch)
-    llm = LLM(model, max_model_len=256, num_kv_blocks=128)
+    llm = LLM(model, max_model_len=256, num_kv_blocks=128, dtype="float32")
     batched = llm.generate(PROMPTS, GREEDY)
     reference = hf_greedy(model, [r.prompt_token_ids for r in batched], MAX_NEW)
     _assert_non_degenerate(reference)
@@ -32,9 +32,10 @@ def test_greedy_matches_transformers_alone_and_batched(checkpoints, arch):
 
 def test_chunked_prefill_and_preemption_keep_greedy_tokens(checkpoints):
     model = checkpoints("qwen3_moe")
-    reference = LLM(model, max_model_len=256, num_kv_blocks=128).generate(PROMPTS, GREEDY)
+    reference = LLM(model, max_model_len=256, num_kv_blocks=128, dtype="float32").generate(PROMPTS, GREEDY)
     # 24 blocks of 4 tokens hold one longest sequence, not all eight; a 16-token budget chunks prompts.
-    tight = LLM(model, max_model_len=96, num_kv_blocks=24, block_size=4, max_num_batched_tokens=16)
+    tight = LLM(model, max_model_len=96, num_kv_blocks=24, block_size=4, max_num_batched_tokens=16,
+                dtype="float32")
     outputs = tight.generate(PROMPTS, GREEDY)
     assert tight.engine.scheduler.num_preemptions > 0
     assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]
@@ -47,8 +48,8 @@ def test_sharded_checkpoint_gives_same_tokens(tmp_path, checkpoints):
     sharded = make_model("qwen3", "tiny", tmp_path / "sharded", seed=1, max_shard_mb=0.2)
     assert (sharded / "model.safetensors.index.json").exists()
     assert len(list(sharded.glob("model-*.safetensors"))) > 1
-    single = LLM(checkpoints("qwen3"), max_model_len=256, num_kv_blocks=64).generate(PROMPTS[:3], GREEDY)
-    split = LLM(str(sharded), max_model_len=256, num_kv_blocks=64).generate(PROMPTS[:3], GREEDY)
+    single = LLM(checkpoints("qwen3"), max_model_len=256, num_kv_blocks=64, dtype="float32").generate(PROMPTS[:3], GREEDY)
+    split = LLM(str(sharded), max_model_len=256, num_kv_blocks=64, dtype="float32").generate(PROMPTS[:3], GREEDY)
     assert [o.token_ids for o in split] == [o.token_ids for o in single]
 
 
@@ -57,7 +58,7 @@ def test_repetition_penalty_matches_transformers(checkpoints):
     from transformers import AutoModelForCausalLM
 
     model = checkpoints("llama")
-    llm = LLM(model, max_model_len=256, num_kv_blocks=64)
+    llm = LLM(model, max_model_len=256, num_kv_blocks=64, dtype="float32")
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True, repetition_penalty=1.5)
     ours = llm.generate(PROMPTS[:4], params)
     reference = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)

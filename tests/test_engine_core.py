@@ -12,11 +12,11 @@ from tests.conftest import PROMPTS
 
 @pytest.fixture(scope="module")
 def llm(tiny_qwen3) -> LLM:
-    return LLM(tiny_qwen3, max_model_len=256, num_kv_blocks=128)
+    return LLM(tiny_qwen3, max_model_len=256, num_kv_blocks=128, dtype="float32")
 
 
 def _core(model: str, **options) -> EngineCore:
-    return EngineCore(EngineConfig(model=model, max_model_len=256, num_kv_blocks=64, **options))
+    return EngineCore(EngineConfig(model=model, max_model_len=256, num_kv_blocks=64, **{"dtype": "float32", **options}))
 
 
 def test_abort_returns_every_block(tiny_qwen3, llm):

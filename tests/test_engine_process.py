@@ -22,7 +22,7 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def engine(tiny_qwen3, tmp_path_factory):
     address = f"ipc://{tmp_path_factory.mktemp('ipc')}/engine-0"
-    config = EngineConfig(model=tiny_qwen3, max_model_len=256, num_kv_blocks=64)
+    config = EngineConfig(model=tiny_qwen3, max_model_len=256, num_kv_blocks=64, dtype="float32")
     process = start_engine(config, rank=0, address=address, torch_threads=1)
     try:
         wait_until_ready([process], timeout_s=120)
@@ -61,7 +61,7 @@ def _ids(tiny_qwen3, prompts):
 
 
 def test_same_tokens_as_the_offline_engine(tiny_qwen3, client):
-    expected = LLM(tiny_qwen3, max_model_len=256, num_kv_blocks=64).generate(PROMPTS, GREEDY)
+    expected = LLM(tiny_qwen3, max_model_len=256, num_kv_blocks=64, dtype="float32").generate(PROMPTS, GREEDY)
     for i, ids in enumerate(_ids(tiny_qwen3, PROMPTS)):
         client.add(f"r{i}", ids, GREEDY)
     tokens, finished = _collect(client, len(PROMPTS))

@@ -21,11 +21,10 @@ import time
 from hybridlb.config import EngineConfig
 from hybridlb.engine.core import EngineCore
 from hybridlb.engine.dp_context import DPContext
+from hybridlb.engine.dtypes import DTYPE_BYTES, engine_dtype
 from hybridlb.engine.request import Request
 from hybridlb.engine.scheduler import ScheduledChunk
 from hybridlb.model.spec import ModelSpec, load_spec
-
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 class SimulatedRunner:
@@ -65,8 +64,8 @@ def echo_token(request: Request) -> int:
 
 def _blocks_for(config: EngineConfig, spec: ModelSpec) -> int:
     """As many blocks as the real engine would fit in ``kv_cache_gib`` (so KV usage reads alike)."""
-    dtype = config.dtype if config.dtype != "auto" else ("bfloat16" if config.device == "cuda" else "float32")
-    per_block = 2 * spec.num_kv_heads * spec.head_dim * _DTYPE_BYTES[dtype] * config.block_size * spec.num_layers
+    dtype_bytes = DTYPE_BYTES[engine_dtype(config)]
+    per_block = 2 * spec.num_kv_heads * spec.head_dim * dtype_bytes * config.block_size * spec.num_layers
     return max(1, int(config.kv_cache_gib * 2**30) // per_block)
 
 

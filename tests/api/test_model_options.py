@@ -45,7 +45,7 @@ def _post(server, route: str, body: dict) -> httpx.Response:
 
 
 def test_unset_sampling_fields_take_the_models_defaults(server, greedy_by_default):
-    greedy = LLM(str(greedy_by_default), max_model_len=512, num_kv_blocks=64).generate(
+    greedy = LLM(str(greedy_by_default), max_model_len=512, num_kv_blocks=64, dtype="float32").generate(
         "The weather today", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].text
     body = {"prompt": "The weather today", "max_tokens": 12, "ignore_eos": True}
     texts = {_post(server, "completions", {**body, "seed": seed}).json()["choices"][0]["text"] for seed in (1, 2, 3)}

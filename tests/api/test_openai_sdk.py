@@ -17,7 +17,7 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def reference(tiny_qwen3):
-    llm = LLM(tiny_qwen3, max_model_len=512, num_kv_blocks=64)
+    llm = LLM(tiny_qwen3, max_model_len=512, num_kv_blocks=64, dtype="float32")
     return llm.generate("The weather today", SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))[0]
 
 

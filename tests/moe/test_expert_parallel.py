@@ -53,7 +53,7 @@ def wait_paused(server: Server, timeout_s: float = 5) -> dict:
 @pytest.mark.parametrize(("arch", "size"), [("qwen3_moe", 2), ("mixtral", 2), ("qwen3_moe", 4), ("mixtral", 4)])
 def test_greedy_tokens_with_sharded_experts_equal_one_rank(checkpoints, arch, size):
     model = checkpoints(arch)
-    single = LLM(model, max_model_len=512, num_kv_blocks=64).generate(
+    single = LLM(model, max_model_len=512, num_kv_blocks=64, dtype="float32").generate(
         PROMPTS, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     assert [o.token_ids for o in single] == hf_greedy(model, [o.prompt_token_ids for o in single], 12)
     (server,) = start_servers(ep_server(model, size))

@@ -66,3 +66,23 @@ def test_chat_answers_the_capital_of_france(smollm2_transformers):
     ids = llm.tokenizer.encode(prompt, add_special_tokens=False)
     answer = llm.generate([ids], SamplingParams(max_tokens=32, temperature=0))[0]
     assert "Paris" in answer.text and answer.finish_reason == "stop"
+
+
+def test_bfloat16_tokens_stay_in_transformers_bfloat16_top5(smollm2_transformers):
+    """vLLM's rule for low-precision runs: until the first divergence from transformers' greedy
+    token, every token we pick is in transformers' top 5 for the same context."""
+    import copy
+
+    import torch
+
+    reference = copy.deepcopy(smollm2_transformers[0]).to(torch.bfloat16)
+    llm = LLM(SMOLLM2, max_model_len=512, num_kv_blocks=256, dtype="bfloat16")
+    for out in llm.generate(PROMPTS, GREEDY):
+        start = len(out.prompt_token_ids)
+        with torch.no_grad():
+            logits = reference(torch.tensor([out.prompt_token_ids + out.token_ids])).logits[0, start - 1 : -1]
+        top5, greedy = logits.topk(5).indices.tolist(), logits.argmax(-1).tolist()
+        for position, token in enumerate(out.token_ids):
+            assert token in top5[position], f"position {position}: {token} not in {top5[position]}"
+            if token != greedy[position]:
+                break
