@@ -128,8 +128,8 @@ class Server:
     @classmethod
     def vllm(cls, name: str, vllm: str, model: str, *flags: str) -> Server:
         port = free_port()
-        command = [vllm, "serve", model, "--port", str(port), "--max-model-len", "1024", "--dtype", "float32",
-                   *flags]
+        dtype = [] if "--dtype" in flags else ["--dtype", "float32"]  # vLLM casts to bfloat16 on CPU otherwise
+        command = [vllm, "serve", model, "--port", str(port), "--max-model-len", "1024", *dtype, *flags]
         return cls(name, command, port, model, VLLM_ENV)
 
     def wait_ready(self, timeout_s: float = 600) -> float:

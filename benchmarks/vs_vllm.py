@@ -4,7 +4,8 @@ Models: the real SmolLM2-135M-Instruct first (both servers load the same float32
 Face directory made from its GGUF file), then random ``tiny`` / ``small`` qwen3 checkpoints
 as secondary rows. Both servers are up together and the rounds alternate (hybridlb, vLLM,
 then vLLM, hybridlb, ...), so machine noise falls on both; each figure is the median over
-rounds. Both run float32 (vLLM would otherwise cast to bfloat16 on CPU), driven by the same
+rounds. Both run float32 by default (``--dtype bfloat16``: both in bfloat16, vLLM's CPU
+default), driven by the same
 client (``hybridlb bench serve``'s engine): random prompts, ``--ignore-eos``. Reported:
 output tok/s, mean and P99 TTFT, mean TPOT, the server process tree's RSS, and the
 hybridlb / vLLM throughput ratio per workload. Then ``vllm bench serve`` itself runs once
@@ -100,15 +101,19 @@ def main() -> None:
     parser.add_argument("--models-dir", type=Path, default=Path("models"))
     parser.add_argument("--num-prompts", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--dtype", default="float32", help="both servers' dtype (float32 or bfloat16)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/vs_vllm.json"))
     args = parser.parse_args()
     vllm = vllm_executable()
-    report: dict = {"meta": stamp(rounds=args.rounds, num_prompts=args.num_prompts), "results": {}, "ratios": {}}
+    report: dict = {"meta": stamp(rounds=args.rounds, num_prompts=args.num_prompts, dtype=args.dtype),
+                    "results": {}, "ratios": {}}
     for name in args.models.split(","):
         model = smollm2_hf_dir(args.models_dir) if name == "smollm2" else checkpoint(args.models_dir, "qwen3", name)
         workloads = REAL_WORKLOADS if name == "smollm2" else RANDOM_WORKLOADS
-        print(f"\n{TITLES[name]}, {args.num_prompts} prompts per workload, {args.rounds} alternating rounds")
-        servers = [Server.hybridlb("hybridlb", model), Server.vllm("vllm", vllm, model)]
+        title = TITLES[name] + ("" if args.dtype == "float32" else f", {args.dtype}")
+        print(f"\n{title}, {args.num_prompts} prompts per workload, {args.rounds} alternating rounds")
+        dtype = ("--dtype", args.dtype)
+        servers = [Server.hybridlb("hybridlb", model, *dtype), Server.vllm("vllm", vllm, model, *dtype)]
         try:
             for server in servers:
                 print(f"  {server.name} ready in {server.wait_ready():.0f} s", flush=True)
@@ -118,9 +123,9 @@ def main() -> None:
         finally:
             for server in servers:
                 server.stop()
-        report["results"][TITLES[name]] = result["rows"]
-        report["ratios"][TITLES[name]] = result["ratios"]
-        report.setdefault("raw", {})[TITLES[name]] = result["raw"]
+        report["results"][title] = result["rows"]
+        report["ratios"][title] = result["ratios"]
+        report.setdefault("raw", {})[title] = result["raw"]
         print("  hybridlb / vLLM output tok/s (median): "
               + ", ".join(f"{k} {v:.2f}x" for k, v in result["ratios"].items()), flush=True)
     print("\n`vllm bench serve` against hybridlb:\n" + report.get("vllm_bench_serve_against_hybridlb", ""))

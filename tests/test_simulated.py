@@ -49,7 +49,7 @@ def test_eos_stops_unless_ignored(tiny_qwen3):
 
 
 def test_batches_up_to_max_num_seqs_and_steps_take_the_step_time(tiny_qwen3):
-    core = _core(tiny_qwen3, step_ms=20, max_num_seqs=2)
+    core = _core(tiny_qwen3, step_ms=20, max_num_seqs=2, num_kv_blocks=64)
     for i in range(3):
         core.add_request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=3))
     started = time.perf_counter()
