@@ -36,11 +36,6 @@ class Checkpoint:
     def is_gguf(self) -> bool:
         return self.path.suffix == ".gguf"
 
-    @property
-    def directory(self) -> Path:
-        """Where side files (generation_config.json, ...) would sit."""
-        return self.path.parent if self.is_gguf else self.path
-
     def fingerprint(self) -> str:
         """A short digest of what defines the model (config.json, or the GGUF header), for handshakes."""
         if self.is_gguf:
