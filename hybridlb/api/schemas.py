@@ -15,13 +15,13 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from hybridlb.api.errors import APIError
+from hybridlb.model.generation_config import SAMPLING_KEYS
 from hybridlb.protocol import SamplingParams
 
 MAX_PROMPTS = 1024  # prompts in one completion request (each becomes an engine request)
 MAX_STOP = 64  # stop strings per request
 MAX_STOP_CHARS = 1024  # characters per stop string
 MAX_STOP_TOKEN_IDS = 1024
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "repetition_penalty")  # defaulted from generation_config
 
 
 def _valid_unicode(text: str) -> str:
@@ -83,7 +83,7 @@ class _Sampling(BaseModel):
 
     def sampling_params(self, max_tokens: int | None, defaults: dict | None = None) -> SamplingParams:
         """The request's params; fields it leaves unset come from ``defaults`` (the model's)."""
-        sampling = {**(defaults or {}), **{name: getattr(self, name) for name in SAMPLING_FIELDS
+        sampling = {**(defaults or {}), **{name: getattr(self, name) for name in SAMPLING_KEYS
                                            if getattr(self, name) is not None}}
         params = SamplingParams(
             max_tokens=max_tokens, seed=self.seed, stop=self.stops, stop_token_ids=list(self.stop_token_ids or []),

@@ -198,13 +198,16 @@ class GGUFTensorReader:
         return tensor
 
 
+_HF_GLOBAL = {hf: name for name, hf in _GLOBAL_TENSORS.items()}
+_HF_LAYER = {hf: name for name, hf in _LAYER_TENSORS.items()}
+
+
 def _gguf_name(hf_name: str) -> str:
-    inverse = {v: k for k, v in _GLOBAL_TENSORS.items()}
-    if hf_name in inverse:
-        return inverse[hf_name]
+    """The GGUF name a checkpoint tensor would have (for error messages)."""
+    if hf_name in _HF_GLOBAL:
+        return _HF_GLOBAL[hf_name]
     match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", hf_name)
-    rest = {v: k for k, v in _LAYER_TENSORS.items()}.get(match.group(2), "?") if match else "?"
-    return f"blk.{match.group(1)}.{rest}" if match else "?"
+    return f"blk.{match.group(1)}.{_HF_LAYER.get(match.group(2), '?')}" if match else "?"
 
 
 def _unpermute(weight: torch.Tensor, heads: int) -> torch.Tensor:
