@@ -10,7 +10,8 @@ from hybridlb.engine.dtypes import engine_dtype
 from hybridlb.engine.request import Request
 from hybridlb.engine.sampler import Sampler
 from hybridlb.engine.scheduler import ScheduledChunk
-from hybridlb.model.attention import AttentionBatch, DecodeGroup, PrefillChunk
+from hybridlb.model import kernels
+from hybridlb.model.attention import AttentionBatch, DecodeGroup, DecodeTable, PrefillChunk
 from hybridlb.model.expert_parallel import ExpertParallel, expert_range, init_group
 from hybridlb.model.layers import MoEBlock
 from hybridlb.model.loader import load_model
@@ -48,6 +49,9 @@ class ModelRunner:
         for module in self.model.modules():
             if isinstance(module, MoEBlock):
                 module.ep = self.ep
+        self.kernels = kernels.load() if kernels.fit(self.device, self.dtype, self.spec.head_dim) else None
+        if self.kernels is not None:
+            self.model.use_cpu_kernels(self.kernels, pack_linears=self.dtype == torch.bfloat16)
         self.num_blocks = config.num_kv_blocks or self._blocks_for(config.kv_cache_gib)
         if self.num_blocks * self.block_size < self.max_model_len:
             raise ValueError(
@@ -99,11 +103,12 @@ class ModelRunner:
                 sample_rows.append(row + chunk.num_tokens - 1)
             if chunk.num_tokens > 1:
                 prefills.append(self._prefill_chunk(request, row, start, end))
-        batch = AttentionBatch(
-            slot_mapping=self._tensor(slots),
-            decodes=self._decode_groups([c.request for c in chunks[:num_decodes]]),
-            prefills=prefills,
-        )
+        decoding = [c.request for c in chunks[:num_decodes]]
+        batch = AttentionBatch(slot_mapping=self._tensor(slots), decodes=[], prefills=prefills)
+        if self.kernels is None:
+            batch.decodes = self._decode_groups(decoding)
+        elif decoding:
+            batch.decode_table = self._decode_table(decoding)
         return self._tensor(ids), self._tensor(positions), batch, self._tensor(sample_rows)
 
     def _decode_groups(self, requests: list[Request]) -> list[DecodeGroup]:
@@ -115,6 +120,12 @@ class ModelRunner:
                 groups.append(self._decode_group(requests[start:row], start))
                 start = row
         return groups
+
+    def _decode_table(self, requests: list[Request]) -> DecodeTable:
+        width = max(len(r.block_ids) for r in requests)
+        blocks = [r.block_ids + [0] * (width - len(r.block_ids)) for r in requests]
+        lengths = self._tensor([r.num_computed + 1 for r in requests])
+        return DecodeTable(torch.tensor(blocks, dtype=torch.int32, device=self.device), lengths)
 
     def _decode_group(self, requests: list[Request], start: int) -> DecodeGroup:
         width = len(requests[0].block_ids)

@@ -1,10 +1,12 @@
-"""Paged attention over a block-structured KV cache, built on torch SDPA.
+"""Paged attention over a block-structured KV cache.
 
 A step's tokens are laid out flat: first one token per decoding sequence (longest
-context first), then each prefill chunk. Decodes of similar context length form a
-group that runs as one batched SDPA over its gathered, padded contexts; each prefill
-chunk runs on its own (a fresh prompt attends to itself with ``is_causal``, a later
-chunk to the cached context under an explicit mask).
+context first), then each prefill chunk. With the C kernels (``kernels.py``) all
+decodes run as one call that reads each sequence's blocks in place; without them,
+decodes of similar context length form a group that runs as one batched SDPA over
+its gathered, padded contexts. Each prefill chunk runs on torch SDPA (a fresh prompt
+attends to itself with ``is_causal``, a later chunk to the cached context under an
+explicit mask).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from hybridlb.model.kernels import CPUKernels
 
 
 @dataclass
@@ -33,12 +37,21 @@ class DecodeGroup:
 
 
 @dataclass
+class DecodeTable:
+    """All decodes for the C kernel: rows [0, len(lengths)) of the flat batch."""
+
+    blocks: torch.Tensor  # [rows, max_blocks] int32 block ids, each row padded
+    lengths: torch.Tensor  # [rows] int64 context length including the new token
+
+
+@dataclass
 class AttentionBatch:
     """Where this step's tokens live in the KV cache and what each attends to."""
 
     slot_mapping: torch.Tensor  # [N] cache slot (block * block_size + offset) of each new token
-    decodes: list[DecodeGroup]
+    decodes: list[DecodeGroup]  # the torch path's decode groups (empty with the kernels)
     prefills: list[PrefillChunk]
+    decode_table: DecodeTable | None = None  # the kernel path's decodes
 
 
 class PagedAttention(nn.Module):
@@ -49,18 +62,25 @@ class PagedAttention(nn.Module):
         # [num_blocks, block_size, kv_heads, head_dim]; bound by the model runner.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        self.kernels: CPUKernels | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-        """q [N, heads, dim], k/v [N, kv_heads, dim] → [N, heads, dim]."""
-        self._store(k, v, batch.slot_mapping)
-        out = torch.empty_like(q)
+        """q [N, heads, dim], k/v [N, kv_heads, dim], already rotated and stored → [N, heads, dim]."""
+        table = batch.decode_table
+        if table is not None and not batch.prefills:
+            return self.kernels.decode_attention(q, self.k_cache, self.v_cache, table.blocks, table.lengths, self.scale)
+        out = q.new_empty(q.shape)
+        if table is not None:
+            rows = table.lengths.shape[0]
+            out[:rows] = self.kernels.decode_attention(
+                q[:rows], self.k_cache, self.v_cache, table.blocks, table.lengths, self.scale)
         for group in batch.decodes:
             out[group.start : group.end] = self._decode(q[group.start : group.end], group)
         for chunk in batch.prefills:
             out[chunk.start : chunk.end] = self._prefill(q, k, v, chunk)
         return out
 
-    def _store(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    def store(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         kv_shape = (-1, self.num_kv_heads, self.head_dim)
         self.k_cache.view(kv_shape).index_copy_(0, slots, k)
         self.v_cache.view(kv_shape).index_copy_(0, slots, v)

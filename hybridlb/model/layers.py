@@ -13,14 +13,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridlb.model.kernels import CPUKernels
+
 
 class RMSNorm(nn.Module):
+    """weight * x / rms(x); given ``residual``, first ``residual += x`` in place and normalise that
+    (the pre-norm decoder's residual add, fused into the norm that follows it)."""
+
     def __init__(self, size: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.kernels: CPUKernels | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if self.kernels is not None and x.dim() == 2 and x.stride(-1) == 1:
+            return self.kernels.rms_norm(x, self.weight, self.eps, residual)
+        if residual is not None:
+            x = residual.add_(x)
         # Accumulate in float32 as the reference implementations do, whatever the dtype.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -130,9 +140,29 @@ class DenseMLP(nn.Module):
         super().__init__()
         self.gate_up = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down = nn.Linear(intermediate, hidden, bias=False)
+        self.kernels: CPUKernels | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(silu_and_mul(self.gate_up(x)))
+        gate_up = self.gate_up(x)
+        if self.kernels is not None:
+            return self.down(self.kernels.silu_mul(gate_up))
+        return self.down(silu_and_mul(gate_up))
+
+
+class PackedLinear(nn.Module):
+    """A CPU bfloat16 linear layer whose weight oneDNN reordered once, at load, into the
+    blocked layout its matmul kernel reads (the weight is then held only in that form).
+    Results are identical to ``F.linear``; small-batch matmuls run up to 2x faster
+    because they no longer reorder the weight on every call."""
+
+    def __init__(self, linear: nn.Linear, batch_hint: int = 64):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
 class MoEBlock(nn.Module):

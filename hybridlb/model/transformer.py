@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from hybridlb.model.attention import AttentionBatch, PagedAttention
-from hybridlb.model.layers import DenseMLP, MoEBlock, RMSNorm, RotaryEmbedding
+from hybridlb.model.kernels import CPUKernels
+from hybridlb.model.layers import DenseMLP, MoEBlock, PackedLinear, RMSNorm, RotaryEmbedding
 from hybridlb.model.spec import ModelSpec
 
 
@@ -35,7 +36,14 @@ class SelfAttention(nn.Module):
         v = v.view(-1, self.kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        kernels = self.attn.kernels
+        if kernels is not None:  # rotate q and k in place and store k, v: one call
+            rotary, attn = self.rotary, self.attn
+            kernels.rope_store(q, k, v, positions, rotary.cos, rotary.sin, batch.slot_mapping,
+                               attn.k_cache, attn.v_cache)
+        else:
+            q, k = self.rotary(positions, q, k)
+            self.attn.store(k, v, batch.slot_mapping)
         out = self.attn(q, k, v, batch)
         return self.o(out.reshape(-1, self.heads * self.head_dim))
 
@@ -54,9 +62,17 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = DenseMLP(spec.hidden_size, spec.intermediate_size)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-        x = x + self.self_attn(self.input_norm(x), positions, batch)
-        return x + self.mlp(self.post_attn_norm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-norm block carrying the residual stream separately: each residual add is fused
+        into the norm after it (the next layer's input norm adds this layer's MLP output)."""
+        if residual is None:
+            residual = x
+            h = self.input_norm(x)
+        else:
+            h = self.input_norm(x, residual)
+        h = self.self_attn(h, positions, batch)
+        return self.mlp(self.post_attn_norm(h, residual)), residual
 
 
 class CausalLM(nn.Module):
@@ -80,13 +96,26 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.embed.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-        x = self.embed(input_ids)
+        x, residual = self.embed(input_ids), None
         for layer in self.layers:
-            x = layer(x, positions, batch)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, batch)
+        return self.norm(x, residual)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.layers]
+
+    def use_cpu_kernels(self, kernels: CPUKernels, pack_linears: bool) -> None:
+        """Route the small per-token work through the C kernels; with ``pack_linears``
+        (bfloat16 on CPU) hold each layer's linear weights in oneDNN's packed layout."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, DenseMLP, PagedAttention)):
+                module.kernels = kernels
+        if not pack_linears:
+            return
+        for module in list(self.modules()):
+            for name, child in list(module.named_children()):
+                if isinstance(child, nn.Linear) and not (child is self.lm_head and self.spec.tie_word_embeddings):
+                    setattr(module, name, PackedLinear(child))

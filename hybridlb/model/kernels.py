@@ -1,0 +1,152 @@
+"""The C kernels of ``csrc/kernels.c``: built once per machine with the system's C compiler,
+loaded with ctypes, called on torch tensors' memory.
+
+A CPU decoder layer in eager torch is ~60 small ops whose fixed cost (~5-10 µs each)
+dominates a decode step; these kernels fuse the small work between the matmuls into
+four calls per layer. The shared library is cached under ``$XDG_CACHE_HOME/hybridlb``
+(``~/.cache/hybridlb``), keyed by the source, the compiler and the CPU's features, and
+written atomically so engines starting together can race. Without a compiler the
+engine runs the same model on torch ops alone (``available()`` says which, and why).
+Set ``HYBRIDLB_CPU_KERNELS=0`` to force the torch path when debugging.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE_DIR = Path(__file__).parent / "csrc"
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared"]
+SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+SIGNATURES = {
+    "rms_norm": [_P, _I, _P, _P, _P, _I, _I, _F],
+    "rope_store": [_P, _I, _P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I],
+    "decode_attention": [_P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F],
+    "silu_mul": [_P, _P, _I, _I],
+}
+
+
+class CPUKernels:
+    """Typed entry points; each takes torch CPU tensors of one supported dtype."""
+
+    def __init__(self, library: ctypes.CDLL):
+        self._fns = {}
+        for name, argtypes in SIGNATURES.items():
+            for dtype, suffix in SUFFIXES.items():
+                fn = getattr(library, f"{name}_{suffix}")
+                fn.argtypes, fn.restype = argtypes, None
+                self._fns[name, dtype] = fn
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
+        """weight * norm(x); with ``residual``, first ``residual += x`` (in place) and normalise that."""
+        out = torch.empty(x.shape, dtype=x.dtype)
+        rows, hidden = x.numel() // x.shape[-1], x.shape[-1]
+        self._fns["rms_norm", x.dtype](
+            x.data_ptr(), x.stride(-2) if x.dim() > 1 else hidden, None if residual is None else residual.data_ptr(),
+            weight.data_ptr(), out.data_ptr(), rows, hidden, eps,
+        )
+        return out
+
+    def rope_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                   cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """Rotate q [N, heads, dim] and k [N, kv_heads, dim] in place, then store k and v at ``slots``."""
+        self._fns["rope_store", q.dtype](
+            q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+            positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
+            k_cache.data_ptr(), v_cache.data_ptr(), q.shape[0], q.shape[1], k.shape[1], q.shape[2],
+        )
+
+    def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         block_table: torch.Tensor, lengths: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [B, heads, dim], one token per sequence, over caches [blocks, block_size, kv_heads, dim]."""
+        out = torch.empty(q.shape, dtype=q.dtype)
+        self._fns["decode_attention", q.dtype](
+            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(),
+            block_table.shape[1], lengths.data_ptr(), out.data_ptr(), q.shape[0], q.shape[1], k_cache.shape[2],
+            q.shape[2], k_cache.shape[1], scale,
+        )
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for gate_up [N, 2 * inter] holding gate then up."""
+        inter = gate_up.shape[-1] // 2
+        out = torch.empty((*gate_up.shape[:-1], inter), dtype=gate_up.dtype)
+        self._fns["silu_mul", gate_up.dtype](gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // gate_up.shape[-1], inter)
+        return out
+
+
+def fit(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the kernels cover this model and device (they are CPU-only; the decode
+    kernel wants a head size that is a multiple of 16, up to 256)."""
+    return device.type == "cpu" and dtype in SUFFIXES and head_dim % 16 == 0 and head_dim <= 256
+
+
+@functools.cache
+def load() -> CPUKernels | None:
+    """The kernels, built if needed; None (logged once) where they cannot be."""
+    if os.environ.get("HYBRIDLB_CPU_KERNELS", "1") == "0":
+        return None
+    try:
+        return CPUKernels(ctypes.CDLL(str(_build())))
+    except (OSError, subprocess.CalledProcessError, RuntimeError) as error:
+        log.warning("CPU kernels unavailable (%s); the model runs on torch ops alone, slower", error)
+        return None
+
+
+def _build() -> Path:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler found (install gcc, or set CC)")
+    sources = sorted(SOURCE_DIR.iterdir())
+    key = hashlib.sha256()
+    for part in [*(p.read_bytes() for p in sources), " ".join(FLAGS).encode(), _compiler_version(compiler),
+                 _cpu_features(), platform.machine().encode()]:
+        key.update(part)
+    target = _cache_dir() / f"kernels-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        built = Path(scratch) / target.name
+        result = subprocess.run([compiler, *FLAGS, str(SOURCE_DIR / "kernels.c"), "-o", str(built), "-lm"],
+                                capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"compiling {SOURCE_DIR / 'kernels.c'} failed: {result.stderr.strip()[:500]}")
+        os.replace(built, target)
+    return target
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "hybridlb"
+
+
+def _compiler_version(compiler: str) -> bytes:
+    return subprocess.run([compiler, "--version"], capture_output=True).stdout
+
+
+def _cpu_features() -> bytes:
+    """The flags -march=native compiles for; a cache shared between machines must not mix them."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line.encode()
+    except OSError:
+        pass
+    return platform.processor().encode()
