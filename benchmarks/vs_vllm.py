@@ -38,7 +38,8 @@ from common import (
 from hybridlb.model.tokenizer import Tokenizer
 
 # input, output, concurrency. The real model's are the ones vLLM's own numbers on this machine use.
-REAL_WORKLOADS = [(32, 64, 16), (256, 128, 32)]
+REAL_WORKLOADS = [(32, 64, 16), (256, 128, 32), (32, 64, 1), (32, 64, 64)]
+LATENCY_PROMPTS = 16  # concurrency-1 rows measure latency: 16 sequential requests are plenty
 RANDOM_WORKLOADS = [(32, 64, 16), (32, 64, 64), (256, 128, 16), (256, 128, 64)]
 TITLES = {"smollm2": "SmolLM2-135M-Instruct (real)", "tiny": "tiny qwen3 (random)", "small": "small qwen3 (random)"}
 METRICS = ("output_tok_s", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms")
@@ -46,6 +47,7 @@ METRICS = ("output_tok_s", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms")
 
 def run_workload(server: Server, vocab: int, workload: tuple[int, int, int], num_prompts: int, seed: int) -> dict:
     input_len, output_len, concurrency = workload
+    num_prompts = num_prompts if concurrency > 1 else LATENCY_PROMPTS
     s = drive([server.url], server.model, vocab, input_len, output_len, num_prompts, concurrency, seed=seed)
     row = {"server": server.name, "input": input_len, "output": output_len, "concurrency": concurrency,
            "failed": s["failed"], "output_tok_s": s["output_throughput"], "mean_ttft_ms": s["mean_ttft_ms"],
@@ -102,18 +104,27 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--dtype", default="float32", help="both servers' dtype (float32 or bfloat16)")
+    parser.add_argument("--dp", type=int, default=1,
+                        help="data-parallel ranks on this node: hybridlb --data-parallel-size N against vLLM "
+                             "--data-parallel-size N --data-parallel-hybrid-lb")
+    parser.add_argument("--workloads", default="", help="only these, e.g. 32/64c16,256/128c32 (default: all)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/vs_vllm.json"))
     args = parser.parse_args()
     vllm = vllm_executable()
-    report: dict = {"meta": stamp(rounds=args.rounds, num_prompts=args.num_prompts, dtype=args.dtype),
+    report: dict = {"meta": stamp(rounds=args.rounds, num_prompts=args.num_prompts, dtype=args.dtype, dp=args.dp),
                     "results": {}, "ratios": {}}
     for name in args.models.split(","):
         model = smollm2_hf_dir(args.models_dir) if name == "smollm2" else checkpoint(args.models_dir, "qwen3", name)
         workloads = REAL_WORKLOADS if name == "smollm2" else RANDOM_WORKLOADS
+        if args.workloads:
+            workloads = [w for w in workloads if f"{w[0]}/{w[1]}c{w[2]}" in args.workloads.split(",")]
         title = TITLES[name] + ("" if args.dtype == "float32" else f", {args.dtype}")
+        title += f", DP={args.dp} hybrid" if args.dp > 1 else ""
         print(f"\n{title}, {args.num_prompts} prompts per workload, {args.rounds} alternating rounds")
         dtype = ("--dtype", args.dtype)
-        servers = [Server.hybridlb("hybridlb", model, *dtype), Server.vllm("vllm", vllm, model, *dtype)]
+        dp = ("--data-parallel-size", str(args.dp))
+        servers = [Server.hybridlb("hybridlb", model, *dtype, *dp),
+                   Server.vllm("vllm", vllm, model, *dtype, *dp, *(("--data-parallel-hybrid-lb",) if args.dp > 1 else ()))]
         try:
             for server in servers:
                 print(f"  {server.name} ready in {server.wait_ready():.0f} s", flush=True)
