@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridlb.model import kernels
-from hybridlb.model.attention import AttentionBatch, DecodeGroup, DecodeTable, PagedAttention
+from hybridlb.model.attention import AttentionBatch, DecodeGroup, DecodeTable, PagedAttention, PrefillChunk
 from hybridlb.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 
 K = kernels.load()
@@ -53,30 +53,41 @@ def test_rope_store_rotates_in_place_and_fills_the_cache(dtype):
     q, k, v = (t.view(tokens, -1, dim) for t in qkv.split((heads * dim, kv_heads * dim, kv_heads * dim), -1))
     positions = torch.tensor([0, 5, 17, 3, 99, 127])
     want_q, want_k = rotary(positions, q.clone(), k.clone())
-    k_cache = torch.zeros(8, 16, kv_heads, dim, dtype=dtype)
-    v_cache = torch.zeros_like(k_cache)
+    k_cache = torch.zeros(8, kv_heads, dim, 16, dtype=dtype)
+    v_cache = torch.zeros(8, kv_heads, 16, dim, dtype=dtype)
     slots = torch.tensor([3, 40, 41, 100, 127, 0])
     K.rope_store(q, k, v, positions, rotary.cos, rotary.sin, slots, k_cache, v_cache)
     torch.testing.assert_close(q, want_q, rtol=0, atol=0)
     torch.testing.assert_close(k, want_k, rtol=0, atol=0)
-    torch.testing.assert_close(k_cache.view(-1, kv_heads, dim)[slots], want_k, rtol=0, atol=0)
-    torch.testing.assert_close(v_cache.view(-1, kv_heads, dim)[slots], v, rtol=0, atol=0)
+    keys, values = standard_layout(k_cache, v_cache)
+    torch.testing.assert_close(keys.view(-1, kv_heads, dim)[slots], want_k, rtol=0, atol=0)
+    torch.testing.assert_close(values.view(-1, kv_heads, dim)[slots], v, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("dim", [64, 128, 48])
-def test_decode_attention_matches_the_torch_path(dim):
+def kernel_layout(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[blocks, block_size, kv_heads, dim] caches in the kernels' layout."""
+    return keys.permute(0, 2, 3, 1).contiguous(), values.permute(0, 2, 1, 3).contiguous()
+
+
+def standard_layout(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return keys.permute(0, 3, 1, 2).contiguous(), values.permute(0, 2, 1, 3).contiguous()
+
+
+@pytest.mark.parametrize(("dim", "block"), [(64, 16), (128, 16), (48, 32)])
+def test_decode_attention_matches_the_torch_path(dim, block):
     """Ragged contexts over shuffled blocks, GQA 3:1: the kernel against the SDPA groups."""
-    heads, kv_heads, block, lengths = 6, 2, 16, [1, 16, 17, 40, 63]
+    heads, kv_heads, lengths = 6, 2, [1, 16, 17, 40, 63]
     attention = PagedAttention(heads, kv_heads, dim)
     attention.k_cache = torch.randn(24, block, kv_heads, dim)
     attention.v_cache = torch.randn(24, block, kv_heads, dim)
+    k_cache, v_cache = kernel_layout(attention.k_cache, attention.v_cache)
     order = torch.randperm(24).tolist()
     tables, width = [], -(-max(lengths) // block)
     for length in lengths:
         used = [order.pop() for _ in range(-(-length // block))]
         tables.append(used + [0] * (width - len(used)))
     q = torch.randn(len(lengths), heads, dim)
-    got = K.decode_attention(q, attention.k_cache, attention.v_cache, torch.tensor(tables, dtype=torch.int32),
+    got = K.decode_attention(q, k_cache, v_cache, torch.tensor(tables, dtype=torch.int32),
                              torch.tensor(lengths), attention.scale)
     for row, length in enumerate(lengths):
         keys = torch.arange(width * block)
@@ -87,28 +98,31 @@ def test_decode_attention_matches_the_torch_path(dim):
 
 
 def test_paged_attention_splits_decodes_and_prefills():
-    """A mixed step: the kernel covers the decode rows, SDPA the fresh prompt after them."""
+    """A mixed step: the kernel covers the decode rows, SDPA the prompts after them, one
+    fresh and one continuing over cached context (read back from the kernels' layout)."""
+    standard = PagedAttention(4, 2, 32)
+    standard.k_cache, standard.v_cache = torch.randn(4, 16, 2, 32), torch.randn(4, 16, 2, 32)
     attention = PagedAttention(4, 2, 32)
     attention.kernels = K
-    attention.k_cache, attention.v_cache = torch.randn(4, 16, 2, 32), torch.randn(4, 16, 2, 32)
-    q, k, v = torch.randn(5, 4, 32), torch.randn(5, 2, 32), torch.randn(5, 2, 32)
+    attention.k_cache, attention.v_cache = kernel_layout(standard.k_cache, standard.v_cache)
+    q, k, v = torch.randn(7, 4, 32), torch.randn(7, 2, 32), torch.randn(7, 2, 32)
     table = DecodeTable(torch.tensor([[0, 1], [2, 0]], dtype=torch.int32), torch.tensor([20, 7]))
-    from hybridlb.model.attention import PrefillChunk
-
-    batch = AttentionBatch(torch.arange(5), [], [PrefillChunk(2, 5, None, None)], table)
-    out = attention(q, k, v, batch)
+    later = PrefillChunk(5, 7, torch.tensor([3, 1]), torch.arange(32).unsqueeze(0) <= torch.tensor([[20], [21]]))
+    prefills = [PrefillChunk(2, 5, None, None), later]
+    out = attention(q, k, v, AttentionBatch(torch.arange(7), [], prefills, table))
     decodes = K.decode_attention(q[:2], attention.k_cache, attention.v_cache, table.blocks, table.lengths,
                                  attention.scale)
-    prompt = F.scaled_dot_product_attention(q[2:].transpose(0, 1), k[2:].transpose(0, 1), v[2:].transpose(0, 1),
+    prompt = F.scaled_dot_product_attention(q[2:5].transpose(0, 1), k[2:5].transpose(0, 1), v[2:5].transpose(0, 1),
                                             is_causal=True, scale=attention.scale, enable_gqa=True).transpose(0, 1)
     torch.testing.assert_close(out[:2], decodes)
-    torch.testing.assert_close(out[2:], prompt)
+    torch.testing.assert_close(out[2:5], prompt)
+    torch.testing.assert_close(out[5:], standard._prefill(q, k, v, later))
 
 
 def test_a_failing_compiler_is_reported_not_raised(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", "false")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    with pytest.raises(RuntimeError, match="compiling .*kernels.c failed"):
+    with pytest.raises(RuntimeError, match=r"compiling kernels\.c .* failed"):
         kernels._build()
     kernels.load.cache_clear()
     try:

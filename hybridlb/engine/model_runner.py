@@ -49,7 +49,9 @@ class ModelRunner:
         for module in self.model.modules():
             if isinstance(module, MoEBlock):
                 module.ep = self.ep
-        self.kernels = kernels.load() if kernels.fit(self.device, self.dtype, self.spec.head_dim) else None
+        fits = kernels.fit(self.device, self.dtype, self.spec.num_heads // self.spec.num_kv_heads,
+                           self.spec.head_dim, self.block_size)
+        self.kernels = kernels.load() if fits else None
         if self.kernels is not None:
             self.model.use_cpu_kernels(self.kernels, pack_linears=self.dtype == torch.bfloat16)
         self.num_blocks = config.num_kv_blocks or self._blocks_for(config.kv_cache_gib)
@@ -69,10 +71,13 @@ class ModelRunner:
         return max(1, int(gib * 2**30) // self._bytes_per_block())
 
     def _allocate_cache(self) -> None:
-        shape = (self.num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
+        blocks, size, heads, dim = self.num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim
+        shapes = [(blocks, size, heads, dim)] * 2
+        if self.kernels is not None:  # the kernels' layout: see PagedAttention
+            shapes = [(blocks, heads, dim, size), (blocks, heads, size, dim)]
         for attention in self.model.attention_layers():
-            attention.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            attention.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            attention.k_cache = torch.zeros(shapes[0], dtype=self.dtype, device=self.device)
+            attention.v_cache = torch.zeros(shapes[1], dtype=self.dtype, device=self.device)
 
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk]) -> list[int]:

@@ -59,7 +59,9 @@ class PagedAttention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5
-        # [num_blocks, block_size, kv_heads, head_dim]; bound by the model runner.
+        # Bound by the model runner: [num_blocks, block_size, kv_heads, head_dim] each, or with
+        # the kernels keys [num_blocks, kv_heads, head_dim, block_size] and values
+        # [num_blocks, kv_heads, block_size, head_dim] (see rope_store in csrc/kernels_body.h).
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
         self.kernels: CPUKernels | None = None
@@ -86,9 +88,15 @@ class PagedAttention(nn.Module):
         self.v_cache.view(kv_shape).index_copy_(0, slots, v)
 
     def _gather(self, cache: torch.Tensor, blocks: torch.Tensor, rows: int) -> torch.Tensor:
-        """Context of ``rows`` sequences as [rows, kv_heads, tokens, dim]."""
+        """Context of ``rows`` sequences as [rows, kv_heads, tokens, dim], from either layout."""
         picked = cache.index_select(0, blocks)
-        return picked.view(rows, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.kernels is None:  # [blocks, block_size, kv_heads, dim]
+            return picked.view(rows, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if picked.shape[-1] == self.head_dim:  # values: [blocks, kv_heads, block_size, dim]
+            picked = picked.view(rows, -1, *picked.shape[1:]).permute(0, 2, 1, 3, 4)
+        else:  # keys: [blocks, kv_heads, dim, block_size]
+            picked = picked.view(rows, -1, *picked.shape[1:]).permute(0, 2, 1, 4, 3)
+        return picked.reshape(rows, self.num_kv_heads, -1, self.head_dim)
 
     def _decode(self, q: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
         rows = q.shape[0]

@@ -1,4 +1,4 @@
-"""The C kernels of ``csrc/kernels.c``: built once per machine with the system's C compiler,
+"""The C kernels of ``csrc/`` (kernels.c, attention.c): built once per machine with the system's C compiler,
 loaded with ctypes, called on torch tensors' memory.
 
 A CPU decoder layer in eager torch is ~60 small ops whose fixed cost (~5-10 µs each)
@@ -28,14 +28,16 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared"]
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-pthread"]
+# kernels.c rounds exactly as torch does, so no fused multiply-adds there; attention.c may.
+UNITS = {"kernels.c": ["-ffp-contract=off"], "attention.c": ["-ffp-contract=fast"]}
 SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {
     "rms_norm": [_P, _I, _P, _P, _P, _I, _I, _F],
-    "rope_store": [_P, _I, _P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I],
-    "decode_attention": [_P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F],
+    "rope_store": [_P, _I, _P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I],
+    "decode_attention": [_P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _I],
     "silu_mul": [_P, _P, _I, _I],
 }
 
@@ -65,21 +67,25 @@ class CPUKernels:
     def rope_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                    cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-        """Rotate q [N, heads, dim] and k [N, kv_heads, dim] in place, then store k and v at ``slots``."""
+        """Rotate q [N, heads, dim] and k [N, kv_heads, dim] in place, then store k and v at ``slots``
+        of caches in the kernels' layout: keys [blocks, kv_heads, dim, block_size], values
+        [blocks, kv_heads, block_size, dim]."""
         self._fns["rope_store", q.dtype](
             q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
             positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
             k_cache.data_ptr(), v_cache.data_ptr(), q.shape[0], q.shape[1], k.shape[1], q.shape[2],
+            v_cache.shape[2],
         )
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_table: torch.Tensor, lengths: torch.Tensor, scale: float) -> torch.Tensor:
-        """q [B, heads, dim], one token per sequence, over caches [blocks, block_size, kv_heads, dim]."""
+        """q [B, heads, dim], one token per sequence, over caches in ``rope_store``'s layout;
+        split over torch's thread count when the work is large enough."""
         out = torch.empty(q.shape, dtype=q.dtype)
         self._fns["decode_attention", q.dtype](
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(),
-            block_table.shape[1], lengths.data_ptr(), out.data_ptr(), q.shape[0], q.shape[1], k_cache.shape[2],
-            q.shape[2], k_cache.shape[1], scale,
+            block_table.shape[1], lengths.data_ptr(), out.data_ptr(), q.shape[0], q.shape[1], v_cache.shape[1],
+            q.shape[2], v_cache.shape[2], scale, torch.get_num_threads(),
         )
         return out
 
@@ -91,10 +97,12 @@ class CPUKernels:
         return out
 
 
-def fit(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether the kernels cover this model and device (they are CPU-only; the decode
-    kernel wants a head size that is a multiple of 16, up to 256)."""
-    return device.type == "cpu" and dtype in SUFFIXES and head_dim % 16 == 0 and head_dim <= 256
+def fit(device: torch.device, dtype: torch.dtype, group: int, head_dim: int, block_size: int) -> bool:
+    """Whether the kernels cover this model and cache (they are CPU-only; the decode kernel
+    wants at most 16 query heads per kv head, a head size that is a multiple of 16 up to
+    256, and KV blocks of a multiple of 16 tokens)."""
+    return (device.type == "cpu" and dtype in SUFFIXES and group <= 16 and head_dim % 16 == 0
+            and head_dim <= 256 and block_size % 16 == 0)
 
 
 @functools.cache
@@ -115,7 +123,7 @@ def _build() -> Path:
         raise RuntimeError("no C compiler found (install gcc, or set CC)")
     sources = sorted(SOURCE_DIR.iterdir())
     key = hashlib.sha256()
-    for part in [*(p.read_bytes() for p in sources), " ".join(FLAGS).encode(), _compiler_version(compiler),
+    for part in [*(p.read_bytes() for p in sources), repr((FLAGS, UNITS)).encode(), _compiler_version(compiler),
                  _cpu_features(), platform.machine().encode()]:
         key.update(part)
     target = _cache_dir() / f"kernels-{key.hexdigest()[:16]}.so"
@@ -123,13 +131,20 @@ def _build() -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        objects = []
+        for unit, flags in UNITS.items():
+            objects.append(str(Path(scratch) / f"{unit}.o"))
+            _run([compiler, *FLAGS, *flags, "-c", str(SOURCE_DIR / unit), "-o", objects[-1]], f"compiling {unit}")
         built = Path(scratch) / target.name
-        result = subprocess.run([compiler, *FLAGS, str(SOURCE_DIR / "kernels.c"), "-o", str(built), "-lm"],
-                                capture_output=True, text=True)
-        if result.returncode != 0:
-            raise RuntimeError(f"compiling {SOURCE_DIR / 'kernels.c'} failed: {result.stderr.strip()[:500]}")
+        _run([compiler, "-shared", "-pthread", *objects, "-o", str(built), "-lm"], "linking the kernels")
         os.replace(built, target)
     return target
+
+
+def _run(command: list[str], what: str) -> None:
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"{what} ({SOURCE_DIR}) failed: {result.stderr.strip()[:500]}")
 
 
 def _cache_dir() -> Path:

@@ -1,6 +1,7 @@
 /* CPU kernels for the decoder's small per-token work, so that one layer is a few
  * calls instead of ~60 torch ops: fused residual-add + RMSNorm, RoPE + KV-cache
- * store, paged decode attention (reads the blocks in place, no gather), SiLU-and-mul.
+ * store and SiLU-and-mul here; paged decode attention (reads the blocks in place, no
+ * gather) in attention.c.
  *
  * Each kernel exists for float32 (suffix _f32) and bfloat16 (_bf16): kernels_body.h
  * is included once per dtype. Rounding follows the torch ops they replace: wherever
@@ -9,101 +10,23 @@
  * float32. Built and loaded by hybridlb/model/kernels.py (plain C, called by ctypes).
  */
 
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-
-typedef union {
-    float f;
-    uint32_t u;
-} bits32;
-
-static inline float bf16_to_float(uint16_t h) { return (bits32){.u = (uint32_t)h << 16}.f; }
-
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t bits = (bits32){.f = f}.u;
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* quiet NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest, ties to even */
-    return (uint16_t)(bits >> 16);
-}
-
-/* exp(x) to about 2 ulp, written so that loops calling it vectorize (libm's expf does not). */
-static inline float fast_exp(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    float n = floorf(x * 1.44269504f + 0.5f);
-    float r = x - n * 0.693145752f - n * 1.42860677e-6f; /* ln 2 split in two for precision */
-    float p = 1.0f + r * (1.0f + r * (0.5f + r * (0.166666672f + r * (4.16664891e-2f
-                  + r * (8.33336823e-3f + r * (1.38942839e-3f + r * 1.98416017e-4f))))));
-    return p * (bits32){.u = (uint32_t)((int32_t)n + 127) << 23}.f;
-}
-
-/* x * sigmoid(x) through exp(-|x|), which stays in (0, 1]: the textbook x / (1 + exp(-x))
- * lets the compiler divide by exp(87) in lanes it selects away, and those denormal
- * quotients cost a microcode assist per vector (5x slower on this machine's Xeon). */
-static inline float silu(float x) {
-    float e = fast_exp(-fabsf(x));
-    return x * (x >= 0.0f ? 1.0f : e) / (1.0f + e);
-}
-
-/* 16 floats as one vector (GCC vector extensions: AVX-512 where the CPU has it, pairs
- * or quads of narrower registers elsewhere). Loads and stores go through memcpy, so
- * no alignment is assumed. */
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef float f32x8 __attribute__((vector_size(32)));
-typedef float f32x4 __attribute__((vector_size(16)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-
-static inline f32x16 load16_f32(const float *p) {
-    f32x16 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline f32x16 load16_bf16(const uint16_t *p) {
-    u16x16 h;
-    memcpy(&h, p, sizeof h);
-    u32x16 bits = __builtin_convertvector(h, u32x16) << 16;
-    f32x16 v;
-    memcpy(&v, &bits, sizeof v);
-    return v;
-}
-
-static inline float hsum16(f32x16 v) {
-    f32x8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-    f32x4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-    return (b[0] + b[2]) + (b[1] + b[3]);
-}
-
-/* Sum of 16 partial sums as a tree. */
-static inline float sum16(float *lanes) {
-    for (int width = 8; width >= 1; width /= 2)
-        for (int l = 0; l < width; l++) lanes[l] += lanes[l + width];
-    return lanes[0];
-}
-
-#define CAT_(a, b) a##_##b
-#define CAT(a, b) CAT_(a, b)
+#include "common.h"
 
 #define T float
 #define SUFFIX f32
 #define LOAD(x) (x)
 #define STORE(x) (x)
 #define ROUND(x) (x)
-#define LOAD16 load16_f32
 #include "kernels_body.h"
 #undef T
 #undef SUFFIX
 #undef LOAD
 #undef STORE
 #undef ROUND
-#undef LOAD16
 
 #define T uint16_t
 #define SUFFIX bf16
 #define LOAD(x) bf16_to_float(x)
 #define STORE(x) float_to_bf16(x)
 #define ROUND(x) bf16_to_float(float_to_bf16(x))
-#define LOAD16 load16_bf16
 #include "kernels_body.h"

@@ -33,12 +33,14 @@ void NAME(rms_norm)(const T *x, int64_t stride, T *residual, const T *weight, T 
 }
 
 /* Rotate-half RoPE applied in place to q [n, heads, dim] and k [n, kv_heads, dim]
- * (rows `q_stride` / `k_stride` elements apart), then k and v stored into the paged
- * caches [slots, kv_heads, dim] at slots[i]. cos/sin: float tables [positions, dim]. */
+ * (rows `q_stride` / `k_stride` elements apart), then k and v stored at slots[i] of
+ * the paged caches, in the kernels' layout: keys [blocks, kv_heads, dim, block_size]
+ * (each head's block transposed, so 16 tokens' values of one dimension are one vector)
+ * and values [blocks, kv_heads, block_size, dim]. cos/sin: float tables [positions, dim]. */
 void NAME(rope_store)(T *q, int64_t q_stride, T *k, int64_t k_stride, const T *v, int64_t v_stride,
                       const int64_t *positions, const float *cos_table, const float *sin_table,
                       const int64_t *slots, T *k_cache, T *v_cache, int64_t n, int64_t heads,
-                      int64_t kv_heads, int64_t dim) {
+                      int64_t kv_heads, int64_t dim, int64_t block_size) {
     int64_t half = dim / 2;
     float *c = malloc(sizeof(float) * dim * 3);
     float *s = c + dim, *x = c + 2 * dim;
@@ -56,84 +58,16 @@ void NAME(rope_store)(T *q, int64_t q_stride, T *k, int64_t k_stride, const T *v
             for (int64_t d = half; d < dim; d++)
                 head[d] = STORE(ROUND(x[d] * c[d]) + ROUND(x[d - half] * s[d]));
         }
-        size_t row = sizeof(T) * kv_heads * dim;
-        memcpy(k_cache + slots[t] * kv_heads * dim, k + t * k_stride, row);
-        memcpy(v_cache + slots[t] * kv_heads * dim, v + t * v_stride, row);
+        int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
+        for (int64_t h = 0; h < kv_heads; h++) {
+            const T *key = k + t * k_stride + h * dim;
+            T *keys = k_cache + (block * kv_heads + h) * dim * block_size + offset;
+            for (int64_t d = 0; d < dim; d++) keys[d * block_size] = key[d];
+            memcpy(v_cache + ((block * kv_heads + h) * block_size + offset) * dim, v + t * v_stride + h * dim,
+                   sizeof(T) * dim);
+        }
     }
     free(c);
-}
-
-/* Attention of one sequence's `group` query heads (sharing kv head kh) over its `len`
- * cached tokens. Inlined per head size so that `chunks` is a constant there. */
-static inline __attribute__((always_inline)) void NAME(attend_group)(
-        const T *q, const T *k_cache, const T *v_cache, const int32_t *table, int64_t len, T *out,
-        int64_t kh, int64_t group, int64_t kv_heads, int64_t block_size, float scale, const int64_t chunks,
-        float *scores, f32x16 *query, f32x16 *acc) {
-    int64_t dim = chunks * 16;
-    for (int64_t g = 0; g < group; g++)
-        for (int64_t c = 0; c < chunks; c++) query[g * chunks + c] = LOAD16(q + (kh * group + g) * dim + c * 16) * scale;
-    for (int64_t t = 0; t < len; t++) {
-        const T *key = k_cache + ((table[t / block_size] * block_size + t % block_size) * kv_heads + kh) * dim;
-        f32x16 row[16];
-        for (int64_t c = 0; c < chunks; c++) row[c] = LOAD16(key + c * 16);
-        for (int64_t g = 0; g < group; g++) {
-            f32x16 dot = query[g * chunks] * row[0];
-            for (int64_t c = 1; c < chunks; c++) dot += query[g * chunks + c] * row[c];
-            scores[g * len + t] = hsum16(dot);
-        }
-    }
-    for (int64_t g = 0; g < group; g++) {
-        float *sg = scores + g * len, top = -INFINITY, total = 0.0f;
-        for (int64_t t = 0; t < len; t++) top = sg[t] > top ? sg[t] : top;
-        for (int64_t t = 0; t < len; t++) {
-            sg[t] = fast_exp(sg[t] - top);
-            total += sg[t];
-        }
-        for (int64_t t = 0; t < len; t++) sg[t] /= total;
-    }
-    for (int64_t i = 0; i < group * chunks; i++) acc[i] = (f32x16){0};
-    for (int64_t t = 0; t < len; t++) {
-        const T *value = v_cache + ((table[t / block_size] * block_size + t % block_size) * kv_heads + kh) * dim;
-        f32x16 row[16];
-        for (int64_t c = 0; c < chunks; c++) row[c] = LOAD16(value + c * 16);
-        for (int64_t g = 0; g < group; g++) {
-            float p = scores[g * len + t];
-            for (int64_t c = 0; c < chunks; c++) acc[g * chunks + c] += p * row[c];
-        }
-    }
-    for (int64_t g = 0; g < group; g++)
-        for (int64_t d = 0; d < dim; d++) out[(kh * group + g) * dim + d] = STORE(acc[g * chunks + d / 16][d % 16]);
-}
-
-/* One query token per sequence attending to its whole paged context.
- * q: [batch, heads, dim] (rows q_stride apart); caches: [blocks, block_size, kv_heads, dim];
- * block_table: [batch, table_width]; lengths: context tokens per sequence (the new
- * token included); out: [batch, heads, dim] contiguous. dim is a multiple of 16 and at
- * most 256. Query heads are grouped over the kv heads (GQA): each cached row is loaded
- * once for its whole group. */
-void NAME(decode_attention)(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache,
-                            const int32_t *block_table, int64_t table_width, const int64_t *lengths,
-                            T *out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
-                            int64_t block_size, float scale) {
-    int64_t group = heads / kv_heads, chunks = dim / 16, longest = 0;
-    for (int64_t b = 0; b < batch; b++) longest = lengths[b] > longest ? lengths[b] : longest;
-    float *scores = malloc(sizeof(float) * group * longest);
-    f32x16 *query = aligned_alloc(sizeof(f32x16), sizeof(f32x16) * 2 * group * chunks), *acc = query + group * chunks;
-    for (int64_t b = 0; b < batch; b++) {
-        const T *qb = q + b * q_stride;
-        const int32_t *table = block_table + b * table_width;
-        T *ob = out + b * heads * dim;
-        for (int64_t kh = 0; kh < kv_heads; kh++) {
-            if (chunks == 4)
-                NAME(attend_group)(qb, k_cache, v_cache, table, lengths[b], ob, kh, group, kv_heads, block_size, scale, 4, scores, query, acc);
-            else if (chunks == 8)
-                NAME(attend_group)(qb, k_cache, v_cache, table, lengths[b], ob, kh, group, kv_heads, block_size, scale, 8, scores, query, acc);
-            else
-                NAME(attend_group)(qb, k_cache, v_cache, table, lengths[b], ob, kh, group, kv_heads, block_size, scale, chunks, scores, query, acc);
-        }
-    }
-    free(query);
-    free(scores);
 }
 
 /* out [n, inter] = silu(gate) * up, where x [n, 2 * inter] holds gate then up per row. */
