@@ -124,7 +124,8 @@ def main() -> None:
         dtype = ("--dtype", args.dtype)
         dp = ("--data-parallel-size", str(args.dp))
         servers = [Server.hybridlb("hybridlb", model, *dtype, *dp),
-                   Server.vllm("vllm", vllm, model, *dtype, *dp, *(("--data-parallel-hybrid-lb",) if args.dp > 1 else ()))]
+                   Server.vllm("vllm", vllm, model, *dtype, *dp, *(("--data-parallel-size-local", str(args.dp),
+                                                                 "--data-parallel-hybrid-lb") if args.dp > 1 else ()))]
         try:
             for server in servers:
                 print(f"  {server.name} ready in {server.wait_ready():.0f} s", flush=True)
