@@ -45,8 +45,6 @@ static inline float silu(float x) {
  * or quads of narrower registers elsewhere). Loads and stores go through memcpy, so
  * no alignment is assumed. */
 typedef float f32x16 __attribute__((vector_size(64)));
-typedef float f32x8 __attribute__((vector_size(32)));
-typedef float f32x4 __attribute__((vector_size(16)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 
@@ -63,12 +61,6 @@ static inline f32x16 load16_bf16(const uint16_t *p) {
     f32x16 v;
     memcpy(&v, &bits, sizeof v);
     return v;
-}
-
-static inline float hsum16(f32x16 v) {
-    f32x8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-    f32x4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-    return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
 /* x[0..n) = softmax(x[0..n)), in place. Maxima and sums run in 16 lanes, so every loop
