@@ -97,17 +97,19 @@ def test_decode_attention_matches_the_torch_path(dim, block):
         torch.testing.assert_close(got[row : row + 1], want, rtol=1e-5, atol=1e-5)
 
 
-def test_paged_attention_splits_decodes_and_prefills():
+@pytest.mark.parametrize("block", [16, 32])  # 32: as long as a head, so the layouts' shapes coincide
+def test_paged_attention_splits_decodes_and_prefills(block):
     """A mixed step: the kernel covers the decode rows, SDPA the prompts after them, one
     fresh and one continuing over cached context (read back from the kernels' layout)."""
     standard = PagedAttention(4, 2, 32)
-    standard.k_cache, standard.v_cache = torch.randn(4, 16, 2, 32), torch.randn(4, 16, 2, 32)
+    standard.k_cache, standard.v_cache = torch.randn(4, block, 2, 32), torch.randn(4, block, 2, 32)
     attention = PagedAttention(4, 2, 32)
     attention.kernels = K
     attention.k_cache, attention.v_cache = kernel_layout(standard.k_cache, standard.v_cache)
     q, k, v = torch.randn(7, 4, 32), torch.randn(7, 2, 32), torch.randn(7, 2, 32)
     table = DecodeTable(torch.tensor([[0, 1], [2, 0]], dtype=torch.int32), torch.tensor([20, 7]))
-    later = PrefillChunk(5, 7, torch.tensor([3, 1]), torch.arange(32).unsqueeze(0) <= torch.tensor([[20], [21]]))
+    mask = torch.arange(2 * block).unsqueeze(0) <= torch.tensor([[20], [21]])
+    later = PrefillChunk(5, 7, torch.tensor([3, 1]), mask)
     prefills = [PrefillChunk(2, 5, None, None), later]
     out = attention(q, k, v, AttentionBatch(torch.arange(7), [], prefills, table))
     decodes = K.decode_attention(q[:2], attention.k_cache, attention.v_cache, table.blocks, table.lengths,

@@ -71,13 +71,10 @@ class ModelRunner:
         return max(1, int(gib * 2**30) // self._bytes_per_block())
 
     def _allocate_cache(self) -> None:
-        blocks, size, heads, dim = self.num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim
-        shapes = [(blocks, size, heads, dim)] * 2
-        if self.kernels is not None:  # the kernels' layout: see PagedAttention
-            shapes = [(blocks, heads, dim, size), (blocks, heads, size, dim)]
         for attention in self.model.attention_layers():
-            attention.k_cache = torch.zeros(shapes[0], dtype=self.dtype, device=self.device)
-            attention.v_cache = torch.zeros(shapes[1], dtype=self.dtype, device=self.device)
+            keys, values = attention.cache_shapes(self.num_blocks, self.block_size)
+            attention.k_cache = torch.zeros(keys, dtype=self.dtype, device=self.device)
+            attention.v_cache = torch.zeros(values, dtype=self.dtype, device=self.device)
 
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk]) -> list[int]:

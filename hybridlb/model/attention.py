@@ -59,23 +59,33 @@ class PagedAttention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5
-        # Bound by the model runner: [num_blocks, block_size, kv_heads, head_dim] each, or with
-        # the kernels keys [num_blocks, kv_heads, head_dim, block_size] and values
-        # [num_blocks, kv_heads, block_size, head_dim] (see rope_store in csrc/kernels_body.h).
+        # Allocated by the model runner in the shapes ``cache_shapes`` gives.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
         self.kernels: CPUKernels | None = None
 
+    def cache_shapes(self, num_blocks: int, block_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Key and value cache shapes: [blocks, block_size, kv_heads, dim] each for torch; for
+        the kernels keys [blocks, kv_heads, dim, block_size] and values [blocks, kv_heads,
+        block_size, dim] (see rope_store in csrc/kernels_body.h)."""
+        heads, dim = self.num_kv_heads, self.head_dim
+        if self.kernels is None:
+            return (num_blocks, block_size, heads, dim), (num_blocks, block_size, heads, dim)
+        return (num_blocks, heads, dim, block_size), (num_blocks, heads, block_size, dim)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         """q [N, heads, dim], k/v [N, kv_heads, dim], already rotated and stored → [N, heads, dim]."""
         table = batch.decode_table
-        if table is not None and not batch.prefills:
-            return self.kernels.decode_attention(q, self.k_cache, self.v_cache, table.blocks, table.lengths, self.scale)
-        out = q.new_empty(q.shape)
+        decoded = None
         if table is not None:
             rows = table.lengths.shape[0]
-            out[:rows] = self.kernels.decode_attention(
+            decoded = self.kernels.decode_attention(
                 q[:rows], self.k_cache, self.v_cache, table.blocks, table.lengths, self.scale)
+            if not batch.prefills:
+                return decoded
+        out = q.new_empty(q.shape)
+        if decoded is not None:
+            out[: decoded.shape[0]] = decoded
         for group in batch.decodes:
             out[group.start : group.end] = self._decode(q[group.start : group.end], group)
         for chunk in batch.prefills:
@@ -92,10 +102,9 @@ class PagedAttention(nn.Module):
         picked = cache.index_select(0, blocks)
         if self.kernels is None:  # [blocks, block_size, kv_heads, dim]
             return picked.view(rows, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        if picked.shape[-1] == self.head_dim:  # values: [blocks, kv_heads, block_size, dim]
-            picked = picked.view(rows, -1, *picked.shape[1:]).permute(0, 2, 1, 3, 4)
-        else:  # keys: [blocks, kv_heads, dim, block_size]
-            picked = picked.view(rows, -1, *picked.shape[1:]).permute(0, 2, 1, 4, 3)
+        # keys [rows, blocks, kv_heads, dim, block_size], values [rows, blocks, kv_heads, block_size, dim]
+        order = (0, 2, 1, 4, 3) if cache is self.k_cache else (0, 2, 1, 3, 4)
+        picked = picked.view(rows, -1, *picked.shape[1:]).permute(order)
         return picked.reshape(rows, self.num_kv_heads, -1, self.head_dim)
 
     def _decode(self, q: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
