@@ -139,7 +139,9 @@ def test_whole_node_killed_the_other_keeps_serving(tiny_qwen3):
         assert all(o.kind == "complete" for o in outcomes if o.url == head.url)
         assert all(o.kind == "error" for o in outcomes if o.url == worker.url)
         assert burst([head.url], head.model, 20) == [200] * 20
-        code, body = _wait_for(lambda: (h := _health(head))[1]["problems"] and h, 10, "the head noticing")
+        # Each rank's silence is noticed on its own stats tick: wait until both are.
+        code, body = _wait_for(lambda: "ranks [2, 3]" in " ".join((h := _health(head))[1]["problems"]) and h, 10,
+                               "the head noticing both lost ranks")
         assert code == 200 and "ranks [2, 3]" in body["problems"][0]
         assert httpx.get(f"{head.url}/ranks").json()["lost_ranks"] == [2, 3]
     finally:
