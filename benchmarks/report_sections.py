@@ -120,9 +120,10 @@ def vs_vllm(page: Page, data: dict) -> str:
     for size, rows in data["results"].items():
         page.text(f"**{size if ' ' in size else size + ' qwen3'}**")
         page.table(["server", "in / out", "concurrency", "output tok/s", "mean TTFT ms", "P99 TTFT ms",
-                    "mean TPOT ms", "failed", "RSS MiB"],
+                    "mean TPOT ms", "failed", "RSS MiB", "per engine MiB"],
                    [[r["server"], f"{r['input']} / {r['output']}", r["concurrency"], r["output_tok_s"],
-                     r["mean_ttft_ms"], r["p99_ttft_ms"], r["mean_tpot_ms"], r["failed"], r.get("rss_mib", "")]
+                     r["mean_ttft_ms"], r["p99_ttft_ms"], r["mean_tpot_ms"], r["failed"], r.get("rss_mib", ""),
+                     ", ".join(map(str, r.get("engine_rss_mib", [])))]
                     for r in rows])
         by = {(r["server"], r["input"], r["output"], r["concurrency"]): r["output_tok_s"] for r in rows}
         ratios += [v / by[("vllm", *k[1:])] for k, v in by.items() if k[0] == "hybridlb" and ("vllm", *k[1:]) in by]

@@ -7,7 +7,8 @@ then vLLM, hybridlb, ...), so machine noise falls on both; each figure is the me
 rounds. Both run float32 by default (``--dtype bfloat16``: both in bfloat16, vLLM's CPU
 default), driven by the same
 client (``hybridlb bench serve``'s engine): random prompts, ``--ignore-eos``. Reported:
-output tok/s, mean and P99 TTFT, mean TPOT, the server process tree's RSS, and the
+output tok/s, mean and P99 TTFT, mean TPOT, the server process tree's RSS (and each hybridlb
+engine's, from /ranks), and the
 hybridlb / vLLM throughput ratio per workload. Then ``vllm bench serve`` itself runs once
 against hybridlb, to prove the API is compatible.
 
@@ -22,6 +23,8 @@ import json
 import os
 import subprocess
 from pathlib import Path
+
+import httpx
 
 from common import (
     VLLM_ENV,
@@ -83,6 +86,9 @@ def compare(servers: list[Server], vocab: int, workloads: list, rounds: int, num
                          "failed": sum(r["failed"] for r in mine), "rounds": len(mine)})
             del rows[-1]["round"]
         rows[-1]["rss_mib"] = tree_rss_mib(server.process.pid)
+        if server.name == "hybridlb":  # and what each engine process holds, as it reports itself
+            engines = httpx.get(f"{server.url}/ranks", timeout=10).json()["engines"]
+            rows[-1]["engine_rss_mib"] = [round(e["rss_mib"]) for e in engines]
     by = {(r["server"], r["input"], r["output"], r["concurrency"]): r["output_tok_s"] for r in rows}
     ratios = {f"{i}/{o} c{c}": by[("hybridlb", i, o, c)] / by[("vllm", i, o, c)] for i, o, c in workloads}
     return {"rows": rows, "raw": raw, "ratios": ratios}

@@ -9,6 +9,7 @@ import resource
 import signal
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import setproctitle
 
@@ -68,6 +69,15 @@ def tune_allocator() -> None:
     libc = ctypes.CDLL("libc.so.6")
     libc.mallopt(_M_MMAP_THRESHOLD, 1 << 30)
     libc.mallopt(_M_TRIM_THRESHOLD, (1 << 31) - 1)
+
+
+def resident_mib() -> float:
+    """This process's resident set size in MiB (0 where /proc is not there to say)."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0.0
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def configure_logging(name: str) -> None:

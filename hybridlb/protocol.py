@@ -183,6 +183,7 @@ class EngineStats(msgspec.Struct, tag="stats"):
     collective_s: float = 0.0  # expert parallel: time in the MoE layers' collectives since start
     meta_s: float = 0.0  # expert parallel: time blocked on the per-step metadata exchange
     steps: int = 0  # steps that ran real tokens
+    rss_mib: float = 0.0  # the engine process's resident memory (rides along, refreshed every second)
 
 
 def is_newer(stats: EngineStats, than: EngineStats | None) -> bool:

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from hybridlb.model import kernels
-from hybridlb.model.attention import AttentionBatch, DecodeGroup, DecodeTable, PagedAttention, PrefillChunk
+from hybridlb.model.attention import AttentionBatch, DecodeGroup, PagedAttention, PagedTable, PrefillChunk
 from hybridlb.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 
 K = kernels.load()
@@ -24,12 +23,17 @@ def seed():
     torch.manual_seed(0)
 
 
+# A few rows run on one thread; a prefill's many rows are split over torch's threads.
+ROWS = [5, 300]
+
+
+@pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rms_norm_matches_torch_and_adds_the_residual(dtype):
+def test_rms_norm_matches_torch_and_adds_the_residual(dtype, rows):
     norm = RMSNorm(96, 1e-5).to(dtype)
     with torch.no_grad():
         norm.weight.normal_()
-    x, residual = torch.randn(5, 96, dtype=dtype), torch.randn(5, 96, dtype=dtype)
+    x, residual = torch.randn(rows, 96, dtype=dtype), torch.randn(rows, 96, dtype=dtype)
     expected_sum = x + residual
     expected = norm(expected_sum.clone())
     summed = residual.clone()
@@ -38,24 +42,26 @@ def test_rms_norm_matches_torch_and_adds_the_residual(dtype):
     torch.testing.assert_close(got, expected, rtol=0, atol=2e-6 if dtype == torch.float32 else 0)
 
 
+@pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_mul_matches_torch(dtype):
-    gate_up = torch.randn(7, 2 * 80, dtype=dtype) * 4
+def test_silu_mul_matches_torch(dtype, rows):
+    gate_up = torch.randn(rows, 2 * 80, dtype=dtype) * 4
     tolerance = {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 0.008, "atol": 1e-5}
     torch.testing.assert_close(K.silu_mul(gate_up), silu_and_mul(gate_up), **tolerance)
 
 
+@pytest.mark.parametrize("tokens", [6, 120])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rope_store_rotates_in_place_and_fills_the_cache(dtype):
-    heads, kv_heads, dim, tokens = 4, 2, 32, 6
+def test_rope_store_rotates_in_place_and_fills_the_cache(dtype, tokens):
+    heads, kv_heads, dim = 4, 2, 32
     rotary = RotaryEmbedding(dim, 128, {"rope_theta": 10000.0, "rope_type": "default"})
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, dtype=dtype)
     q, k, v = (t.view(tokens, -1, dim) for t in qkv.split((heads * dim, kv_heads * dim, kv_heads * dim), -1))
-    positions = torch.tensor([0, 5, 17, 3, 99, 127])
+    positions = torch.randint(0, 128, (tokens,))
     want_q, want_k = rotary(positions, q.clone(), k.clone())
     k_cache = torch.zeros(8, kv_heads, dim, 16, dtype=dtype)
     v_cache = torch.zeros(8, kv_heads, 16, dim, dtype=dtype)
-    slots = torch.tensor([3, 40, 41, 100, 127, 0])
+    slots = torch.randperm(128)[:tokens]
     K.rope_store(q, k, v, positions, rotary.cos, rotary.sin, slots, k_cache, v_cache)
     torch.testing.assert_close(q, want_q, rtol=0, atol=0)
     torch.testing.assert_close(k, want_k, rtol=0, atol=0)
@@ -73,52 +79,66 @@ def standard_layout(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Ten
     return keys.permute(0, 3, 1, 2).contiguous(), values.permute(0, 2, 1, 3).contiguous()
 
 
-@pytest.mark.parametrize(("dim", "block"), [(64, 16), (128, 16), (48, 32)])
-def test_decode_attention_matches_the_torch_path(dim, block):
-    """Ragged contexts over shuffled blocks, GQA 3:1: the kernel against the SDPA groups."""
-    heads, kv_heads, lengths = 6, 2, [1, 16, 17, 40, 63]
-    attention = PagedAttention(heads, kv_heads, dim)
-    attention.k_cache = torch.randn(24, block, kv_heads, dim)
-    attention.v_cache = torch.randn(24, block, kv_heads, dim)
-    k_cache, v_cache = kernel_layout(attention.k_cache, attention.v_cache)
-    order = torch.randperm(24).tolist()
-    tables, width = [], -(-max(lengths) // block)
-    for length in lengths:
-        used = [order.pop() for _ in range(-(-length // block))]
-        tables.append(used + [0] * (width - len(used)))
-    q = torch.randn(len(lengths), heads, dim)
-    got = K.decode_attention(q, k_cache, v_cache, torch.tensor(tables, dtype=torch.int32),
-                             torch.tensor(lengths), attention.scale)
-    for row, length in enumerate(lengths):
-        keys = torch.arange(width * block)
-        mask = (keys < length).view(1, 1, 1, -1)
-        group = DecodeGroup(0, 1, torch.tensor(tables[row]), mask)
-        want = attention._decode(q[row : row + 1], group)
-        torch.testing.assert_close(got[row : row + 1], want, rtol=1e-5, atol=1e-5)
+def mixed_step(heads: int, kv_heads: int, dim: int, block: int):
+    """One step's attention inputs: decodes over ragged contexts, a fresh prompt, and a prompt
+    chunk continuing a cached context, all over shuffled blocks of a standard-layout cache that
+    already holds the step's keys and values. Returns (q, k, v, caches, torch-path batch, table)."""
+    # (context before the step, tokens this step): 4 decodes, a 37-token prompt, 23 more after 41
+    sequences = [(0, 1), (15, 1), (16, 1), (62, 1), (0, 37), (41, 23)]
+    num_blocks = sum(-(-(cached + new) // block) for cached, new in sequences) + 3
+    k_cache, v_cache = torch.randn(num_blocks, block, kv_heads, dim), torch.randn(num_blocks, block, kv_heads, dim)
+    free = torch.randperm(num_blocks).tolist()
+    rows = sum(new for _, new in sequences)
+    q, k, v = torch.randn(rows, heads, dim), torch.randn(rows, kv_heads, dim), torch.randn(rows, kv_heads, dim)
+    tables, slots, decodes, prefills, query_start = [], [], [], [], [0]
+    for cached, new in sequences:
+        length, row = cached + new, query_start[-1]
+        table = [free.pop() for _ in range(-(-length // block))]
+        tables.append(table)
+        slots += [table[p // block] * block + p % block for p in range(cached, length)]
+        context = torch.arange(len(table) * block)
+        if new == 1:
+            decodes.append(DecodeGroup(row, row + 1, torch.tensor(table), (context < length).view(1, 1, 1, -1)))
+        else:
+            mask = context.unsqueeze(0) <= torch.arange(cached, length).unsqueeze(1)
+            prefills.append(PrefillChunk(row, row + new, torch.tensor(table) if cached else None, mask))
+        query_start.append(row + new)
+    kv_shape = (-1, kv_heads, dim)
+    k_cache.view(kv_shape)[torch.tensor(slots)] = k
+    v_cache.view(kv_shape)[torch.tensor(slots)] = v
+    width = max(map(len, tables))
+    table = PagedTable(torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+                       torch.tensor(query_start), torch.tensor([c + n for c, n in sequences]))
+    return q, k, v, (k_cache, v_cache), AttentionBatch(torch.tensor(slots), decodes, prefills), table
 
 
-@pytest.mark.parametrize("block", [16, 32])  # 32: as long as a head, so the layouts' shapes coincide
-def test_paged_attention_splits_decodes_and_prefills(block):
-    """A mixed step: the kernel covers the decode rows, SDPA the prompts after them, one
-    fresh and one continuing over cached context (read back from the kernels' layout)."""
-    standard = PagedAttention(4, 2, 32)
-    standard.k_cache, standard.v_cache = torch.randn(4, block, 2, 32), torch.randn(4, block, 2, 32)
-    attention = PagedAttention(4, 2, 32)
-    attention.kernels = K
-    attention.k_cache, attention.v_cache = kernel_layout(standard.k_cache, standard.v_cache)
-    q, k, v = torch.randn(7, 4, 32), torch.randn(7, 2, 32), torch.randn(7, 2, 32)
-    table = DecodeTable(torch.tensor([[0, 1], [2, 0]], dtype=torch.int32), torch.tensor([20, 7]))
-    mask = torch.arange(2 * block).unsqueeze(0) <= torch.tensor([[20], [21]])
-    later = PrefillChunk(5, 7, torch.tensor([3, 1]), mask)
-    prefills = [PrefillChunk(2, 5, None, None), later]
-    out = attention(q, k, v, AttentionBatch(torch.arange(7), [], prefills, table))
-    decodes = K.decode_attention(q[:2], attention.k_cache, attention.v_cache, table.blocks, table.lengths,
-                                 attention.scale)
-    prompt = F.scaled_dot_product_attention(q[2:5].transpose(0, 1), k[2:5].transpose(0, 1), v[2:5].transpose(0, 1),
-                                            is_causal=True, scale=attention.scale, enable_gqa=True).transpose(0, 1)
-    torch.testing.assert_close(out[:2], decodes)
-    torch.testing.assert_close(out[2:5], prompt)
-    torch.testing.assert_close(out[5:], standard._prefill(q, k, v, later))
+# GQA 3:1 at a common head size; plain multi-head (16-row tiles); 16:1 (one-row tiles), blocks of 32
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "block"), [(6, 2, 64, 16), (4, 4, 128, 16), (16, 1, 48, 32)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_paged_attention_matches_the_torch_path(heads, kv_heads, dim, block, threads):
+    """The kernel's one call for a whole mixed step against the torch path's SDPA per group and chunk."""
+    q, k, v, (k_cache, v_cache), batch, table = mixed_step(heads, kv_heads, dim, block)
+    standard = PagedAttention(heads, kv_heads, dim)
+    standard.k_cache, standard.v_cache = k_cache, v_cache
+    want = standard(q, k, v, batch)
+    fast = PagedAttention(heads, kv_heads, dim)
+    fast.kernels = K
+    fast.k_cache, fast.v_cache = kernel_layout(k_cache, v_cache)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = fast(q, k, v, AttentionBatch(batch.slot_mapping, [], [], table))
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_paged_attention_in_bfloat16_tracks_float32():
+    q, _, _, (k_cache, v_cache), _, table = mixed_step(6, 2, 64, 16)
+    want = K.paged_attention(q, *kernel_layout(k_cache, v_cache), table.blocks, table.query_start, table.lengths, 0.125)
+    q, k_cache, v_cache = q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16()
+    got = K.paged_attention(q, *kernel_layout(k_cache, v_cache), table.blocks, table.query_start, table.lengths, 0.125)
+    torch.testing.assert_close(got.float(), want, rtol=0.02, atol=0.02)
 
 
 def test_a_failing_compiler_is_reported_not_raised(monkeypatch, tmp_path):

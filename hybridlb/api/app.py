@@ -46,6 +46,7 @@ def _engine_view(engine: EngineConnection) -> dict:
         "wave": stats.wave if stats else 0, "wave_running": stats.running if stats else False,
         "collective_s": stats.collective_s if stats else 0.0, "meta_s": stats.meta_s if stats else 0.0,
         "steps": stats.steps if stats else 0, "busy_s": stats.busy_s if stats else 0.0,
+        "rss_mib": stats.rss_mib if stats else 0.0,
         "in_flight_here": engine.in_flight, "score": engine.score,
         "dp_group": engine.info.dp_group if engine.info else None,
     }

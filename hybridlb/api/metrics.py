@@ -39,6 +39,8 @@ class Metrics:
                               registry=r, **gauge)
         self.busy = Gauge("hybridlb:engine_busy_seconds", "Time the engine spent stepping.", labels,
                           registry=r, **gauge)
+        self.rss = Gauge("hybridlb:engine_resident_memory_bytes", "The engine process's resident memory.",
+                         labels, registry=r, **gauge)
         self.dummy_steps = Gauge("hybridlb:dummy_steps", "MoE lockstep: steps run with no work.", labels,
                                  registry=r, **gauge)
         self.collective = Gauge("hybridlb:dp_collective_seconds", "MoE lockstep: time in DP collectives.",
@@ -78,6 +80,7 @@ class Metrics:
         self.waiting.labels(**labels).set(stats.num_waiting)
         self.kv_usage.labels(**labels).set(stats.kv_usage)
         self.busy.labels(**labels).set(stats.busy_s)
+        self.rss.labels(**labels).set(stats.rss_mib * 2**20)
         self.dummy_steps.labels(**labels).set(stats.dummy_steps)
         self.collective.labels(**labels).set(stats.collective_s)
 

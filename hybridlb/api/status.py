@@ -23,10 +23,10 @@ def describe(url: str, api_key: str | None = None) -> tuple[str, bool]:
         raise StatusError(f"no hybridlb API server answers at {url}: {exc}") from None
     state = body.get("status") or "down: " + body.get("error", {}).get("message", "?")
     lines = [f"node {view['node']} ({view['api_server']}, {view['mode']} LB): {state}",
-             f"{'rank':<6}{'state':<8}{'running':>8}{'waiting':>8}{'kv':>7}"]
+             f"{'rank':<6}{'state':<8}{'running':>8}{'waiting':>8}{'kv':>7}{'rss MiB':>9}"]
     for engine in view["engines"]:
         alive = "up" if engine["alive"] else "DOWN"
         lines.append(f"{engine['rank']:<6}{alive:<8}{engine['num_running']:>8}{engine['num_waiting']:>8}"
-                     f"{engine['kv_usage']:>7.0%}")
+                     f"{engine['kv_usage']:>7.0%}{engine.get('rss_mib', 0):>9.0f}")
     lines += [f"problem: {problem}" for problem in view.get("problems", [])]
     return "\n".join(lines), health.status_code == 200

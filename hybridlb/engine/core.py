@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from hybridlb import lifecycle
 from hybridlb.config import EngineConfig
 from hybridlb.engine.block_manager import BlockManager
 from hybridlb.engine.dp_context import DPContext
@@ -39,6 +40,7 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
         self.busy_s = 0.0
+        self._rss = (0.0, 0.0)  # (when read, MiB): /proc is read at most once a second
 
     # -- requests in ---------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestOutput | None:
@@ -134,7 +136,14 @@ class EngineCore:
             kv_usage=round(self.blocks.usage, 4),
             busy_s=round(self.busy_s, 3),
             steps=self.num_steps,
+            rss_mib=self._resident_mib(),
         )
+
+    def _resident_mib(self) -> float:
+        now = time.monotonic()
+        if now - self._rss[0] >= 1.0:
+            self._rss = (now, round(lifecycle.resident_mib(), 1))
+        return self._rss[1]
 
 
 def _load_runner(config: EngineConfig, dp: DPContext) -> ModelRunner:

@@ -1,12 +1,13 @@
 """Paged attention over a block-structured KV cache.
 
 A step's tokens are laid out flat: first one token per decoding sequence (longest
-context first), then each prefill chunk. With the C kernels (``kernels.py``) all
-decodes run as one call that reads each sequence's blocks in place; without them,
-decodes of similar context length form a group that runs as one batched SDPA over
-its gathered, padded contexts. Each prefill chunk runs on torch SDPA (a fresh prompt
-attends to itself with ``is_causal``, a later chunk to the cached context under an
-explicit mask).
+context first), then each prefill chunk. With the C kernels (``kernels.py``) one call
+reads each sequence's blocks in place (``PagedTable``) for the decodes and the prompt
+chunks, except fresh prompts longer than the model runner's KERNEL_MAX_PROMPT, which
+run on torch SDPA over their own keys (faster there). Without them, decodes of similar context
+length form a group that runs as one batched SDPA over its gathered, padded contexts,
+and each prefill chunk runs on torch SDPA (a fresh prompt attends to itself with
+``is_causal``, a later chunk to the cached context under an explicit mask).
 """
 
 from __future__ import annotations
@@ -37,11 +38,13 @@ class DecodeGroup:
 
 
 @dataclass
-class DecodeTable:
-    """All decodes for the C kernel: rows [0, len(lengths)) of the flat batch."""
+class PagedTable:
+    """Every sequence of the step for the C kernel: sequence s owns rows
+    [query_start[s], query_start[s + 1]) of the flat batch, its last new tokens."""
 
-    blocks: torch.Tensor  # [rows, max_blocks] int32 block ids, each row padded
-    lengths: torch.Tensor  # [rows] int64 context length including the new token
+    blocks: torch.Tensor  # [seqs, max_blocks] int32 block ids, each row padded
+    query_start: torch.Tensor  # [seqs + 1] int64
+    lengths: torch.Tensor  # [seqs] int64 context length including this step's tokens
 
 
 @dataclass
@@ -49,9 +52,9 @@ class AttentionBatch:
     """Where this step's tokens live in the KV cache and what each attends to."""
 
     slot_mapping: torch.Tensor  # [N] cache slot (block * block_size + offset) of each new token
-    decodes: list[DecodeGroup]  # the torch path's decode groups (empty with the kernels)
+    decodes: list[DecodeGroup]  # the torch path's decode groups and prompt chunks
     prefills: list[PrefillChunk]
-    decode_table: DecodeTable | None = None  # the kernel path's decodes
+    table: PagedTable | None = None  # the kernel path: all of the above in one
 
 
 class PagedAttention(nn.Module):
@@ -75,17 +78,11 @@ class PagedAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         """q [N, heads, dim], k/v [N, kv_heads, dim], already rotated and stored → [N, heads, dim]."""
-        table = batch.decode_table
-        decoded = None
-        if table is not None:
-            rows = table.lengths.shape[0]
-            decoded = self.kernels.decode_attention(
-                q[:rows], self.k_cache, self.v_cache, table.blocks, table.lengths, self.scale)
-            if not batch.prefills:
-                return decoded
         out = q.new_empty(q.shape)
-        if decoded is not None:
-            out[: decoded.shape[0]] = decoded
+        table = batch.table
+        if table is not None:
+            self.kernels.paged_attention(q, self.k_cache, self.v_cache, table.blocks, table.query_start,
+                                         table.lengths, self.scale, out)
         for group in batch.decodes:
             out[group.start : group.end] = self._decode(q[group.start : group.end], group)
         for chunk in batch.prefills:
@@ -98,14 +95,9 @@ class PagedAttention(nn.Module):
         self.v_cache.view(kv_shape).index_copy_(0, slots, v)
 
     def _gather(self, cache: torch.Tensor, blocks: torch.Tensor, rows: int) -> torch.Tensor:
-        """Context of ``rows`` sequences as [rows, kv_heads, tokens, dim], from either layout."""
+        """Context of ``rows`` sequences as [rows, kv_heads, tokens, dim] (the torch path's layout)."""
         picked = cache.index_select(0, blocks)
-        if self.kernels is None:  # [blocks, block_size, kv_heads, dim]
-            return picked.view(rows, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        # keys [rows, blocks, kv_heads, dim, block_size], values [rows, blocks, kv_heads, block_size, dim]
-        order = (0, 2, 1, 4, 3) if cache is self.k_cache else (0, 2, 1, 3, 4)
-        picked = picked.view(rows, -1, *picked.shape[1:]).permute(order)
-        return picked.reshape(rows, self.num_kv_heads, -1, self.head_dim)
+        return picked.view(rows, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
 
     def _decode(self, q: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
         rows = q.shape[0]

@@ -28,22 +28,26 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
-FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-pthread"]
+# -fopenmp: the kernels split large calls over threads with OpenMP. The library's DT_NEEDED
+# libgomp.so.1 resolves, at load, to the copy torch already loaded (the dynamic loader matches
+# loaded sonames), so both share one pool: no second set of threads contending for the cores.
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-fopenmp"]
 # kernels.c rounds exactly as torch does, so no fused multiply-adds there; attention.c may.
 UNITS = {"kernels.c": ["-ffp-contract=off"], "attention.c": ["-ffp-contract=fast"]}
 SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {
-    "rms_norm": [_P, _I, _P, _P, _P, _I, _I, _F],
-    "rope_store": [_P, _I, _P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I],
-    "decode_attention": [_P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _I],
-    "silu_mul": [_P, _P, _I, _I],
+    "rms_norm": [_P, _I, _P, _P, _P, _I, _I, _F, _I],
+    "rope_store": [_P, _I, _P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I],
+    "paged_attention": [_P, _I, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _F, _I],
+    "silu_mul": [_P, _P, _I, _I, _I],
 }
 
 
 class CPUKernels:
-    """Typed entry points; each takes torch CPU tensors of one supported dtype."""
+    """Typed entry points; each takes torch CPU tensors of one supported dtype. Large calls
+    are split over torch's thread count (``torch.get_num_threads()``)."""
 
     def __init__(self, library: ctypes.CDLL):
         self._fns = {}
@@ -60,7 +64,7 @@ class CPUKernels:
         rows, hidden = x.numel() // x.shape[-1], x.shape[-1]
         self._fns["rms_norm", x.dtype](
             x.data_ptr(), x.stride(-2) if x.dim() > 1 else hidden, None if residual is None else residual.data_ptr(),
-            weight.data_ptr(), out.data_ptr(), rows, hidden, eps,
+            weight.data_ptr(), out.data_ptr(), rows, hidden, eps, torch.get_num_threads(),
         )
         return out
 
@@ -74,18 +78,22 @@ class CPUKernels:
             q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
             positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
             k_cache.data_ptr(), v_cache.data_ptr(), q.shape[0], q.shape[1], k.shape[1], q.shape[2],
-            v_cache.shape[2],
+            v_cache.shape[2], torch.get_num_threads(),
         )
 
-    def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         block_table: torch.Tensor, lengths: torch.Tensor, scale: float) -> torch.Tensor:
-        """q [B, heads, dim], one token per sequence, over caches in ``rope_store``'s layout;
-        split over torch's thread count when the work is large enough."""
-        out = torch.empty(q.shape, dtype=q.dtype)
-        self._fns["decode_attention", q.dtype](
+    def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        block_table: torch.Tensor, query_start: torch.Tensor, lengths: torch.Tensor,
+                        scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal attention of a step's query rows q [N, heads, dim] over caches in
+        ``rope_store``'s layout (which already hold this step's keys and values). Sequence s
+        owns rows [query_start[s], query_start[s + 1]), the last new tokens of its lengths[s]
+        tokens; block_table [seqs, width] int32 lists its blocks. Writes those rows of ``out``
+        (contiguous, q's shape; allocated if not given)."""
+        out = torch.empty(q.shape, dtype=q.dtype) if out is None else out
+        self._fns["paged_attention", q.dtype](
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(),
-            block_table.shape[1], lengths.data_ptr(), out.data_ptr(), q.shape[0], q.shape[1], v_cache.shape[1],
-            q.shape[2], v_cache.shape[2], scale, torch.get_num_threads(),
+            block_table.shape[1], query_start.data_ptr(), lengths.data_ptr(), out.data_ptr(), lengths.shape[0],
+            q.shape[1], v_cache.shape[1], q.shape[2], v_cache.shape[2], scale, torch.get_num_threads(),
         )
         return out
 
@@ -93,12 +101,13 @@ class CPUKernels:
         """silu(gate) * up for gate_up [N, 2 * inter] holding gate then up."""
         inter = gate_up.shape[-1] // 2
         out = torch.empty((*gate_up.shape[:-1], inter), dtype=gate_up.dtype)
-        self._fns["silu_mul", gate_up.dtype](gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // gate_up.shape[-1], inter)
+        rows = gate_up.numel() // gate_up.shape[-1]
+        self._fns["silu_mul", gate_up.dtype](gate_up.data_ptr(), out.data_ptr(), rows, inter, torch.get_num_threads())
         return out
 
 
 def fit(device: torch.device, dtype: torch.dtype, group: int, head_dim: int, block_size: int) -> bool:
-    """Whether the kernels cover this model and cache (they are CPU-only; the decode kernel
+    """Whether the kernels cover this model and cache (they are CPU-only; the attention kernel
     wants at most 16 query heads per kv head, a head size that is a multiple of 16 up to
     256, and KV blocks of a multiple of 16 tokens)."""
     return (device.type == "cpu" and dtype in SUFFIXES and group <= 16 and head_dim % 16 == 0
@@ -136,7 +145,7 @@ def _build() -> Path:
             objects.append(str(Path(scratch) / f"{unit}.o"))
             _run([compiler, *FLAGS, *flags, "-c", str(SOURCE_DIR / unit), "-o", objects[-1]], f"compiling {unit}")
         built = Path(scratch) / target.name
-        _run([compiler, "-shared", "-pthread", *objects, "-o", str(built), "-lm"], "linking the kernels")
+        _run([compiler, "-shared", "-fopenmp", *objects, "-o", str(built), "-lm"], "linking the kernels")
         os.replace(built, target)
     return target
 

@@ -15,8 +15,6 @@ from torch import nn
 
 from hybridlb.model.kernels import CPUKernels
 
-KERNEL_ROWS = 64  # above this, torch: a 16 x 32-token SmolLM2 prefill step took 400 ms with the kernel, 306 without
-
 
 class RMSNorm(nn.Module):
     """weight * x / rms(x); given ``residual``, first ``residual += x`` in place and normalise that
@@ -146,9 +144,7 @@ class DenseMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up(x)
-        # The kernel is single-threaded: a prefill's rows go faster through torch's thread
-        # pool (same rounding), a decode batch faster through one call.
-        if self.kernels is not None and gate_up.shape[0] <= KERNEL_ROWS:
+        if self.kernels is not None and gate_up.dim() == 2:
             return self.down(self.kernels.silu_mul(gate_up))
         return self.down(silu_and_mul(gate_up))
 

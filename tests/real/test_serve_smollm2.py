@@ -3,9 +3,12 @@ streamed and not, return transformers' greedy tokens and a correct answer."""
 
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
 
+from hybridlb.api.status import describe
+from tests.api.test_load import metric
 from tests.conftest import PROMPTS, REAL_NEW_TOKENS, reference_greedy
 
 CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
@@ -59,3 +62,14 @@ def test_chat_equals_transformers_and_names_paris(client, smollm2_transformers, 
         text, finish = out.choices[0].message.content, [out.choices[0].finish_reason]
     assert text == expected_text
     assert "Paris" in text and finish == ["stop"]
+
+
+def test_each_engine_reports_its_resident_memory(client, smollm2_server):
+    """/ranks, /metrics and `hybridlb status` show what the engine process holds: at least the
+    float32 weights (135M parameters, 540 MB) and at most a few times them."""
+    client.completions.create(model="smollm2", prompt="Hello", max_tokens=2)  # stats ride along with a step
+    engine = httpx.get(f"{smollm2_server.url}/ranks").json()["engines"][0]
+    assert 500 < engine["rss_mib"] < 3000, engine
+    assert 500 * 2**20 < metric(smollm2_server.url, "hybridlb:engine_resident_memory_bytes") < 3000 * 2**20
+    table, _ = describe(smollm2_server.url)
+    assert table.splitlines()[1].split()[-1] == "MiB" and int(table.splitlines()[2].split()[-1]) > 500

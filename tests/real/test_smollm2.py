@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from hybridlb import LLM, SamplingParams
 from hybridlb.model.tokenizer import Tokenizer
-from tests.conftest import PROMPTS, REAL_NEW_TOKENS, SMOLLM2
+from tests.conftest import PROMPTS, REAL_NEW_TOKENS, SMOLLM2, reference_greedy
 
 GREEDY = SamplingParams(max_tokens=REAL_NEW_TOKENS, temperature=0, ignore_eos=True)
 CHATS = [
@@ -36,6 +36,20 @@ def test_greedy_tokens_equal_transformers_alone_and_batched(real_model, smollm2_
     assert [r.token_ids for r in batched] == expected
     alone = [llm.generate(prompt, GREEDY)[0].token_ids for prompt in PROMPTS]
     assert alone == expected
+
+
+def test_long_prompts_whole_and_chunked_equal_transformers(smollm2_transformers):
+    """Past the CPU kernels' short-prompt limit a fresh prompt attends on torch SDPA; chunked,
+    each later chunk reads its cached context through the kernel. Both keep the greedy tokens,
+    and so does a batch mixing those chunks with short prompts and decodes."""
+    model, tokenizer = smollm2_transformers
+    prompts = [tokenizer.encode(PROMPTS[1] * 3), tokenizer.encode(PROMPTS[6] * 8), tokenizer.encode(PROMPTS[0])]
+    assert len(prompts[0]) > 96 and len(prompts[1]) > 96
+    expected = reference_greedy(model, prompts, 16)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    for budget in (2048, 40):  # whole prompts; 40-token chunks (a later chunk shares its step with decodes)
+        llm = LLM(SMOLLM2, max_model_len=512, num_kv_blocks=64, dtype="float32", max_num_batched_tokens=budget)
+        assert [o.token_ids for o in llm.generate(prompts, params)] == expected, f"budget {budget}"
 
 
 def test_tokenizer_and_chat_template_equal_transformers(real_model, smollm2_transformers):

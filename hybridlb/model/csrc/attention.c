@@ -1,32 +1,40 @@
-/* Paged decode attention (see attention_body.h). Compiled apart from kernels.c because
+/* Paged attention (see attention_body.h). Compiled apart from kernels.c because
  * it may contract multiply-adds into FMAs (-ffp-contract=fast): its summation order
  * differs from torch's anyway, and the FMAs make it ~15% faster; kernels.c must round
  * exactly as torch does and is built without. */
 
-#include <pthread.h>
-
 #include "common.h"
 
-/* The decode attention's arguments, shared by the threads that split its rows. */
-struct decode_job {
+/* One tile of the work: `rows` query rows from `row` on, of sequence `sequence`, for one kv head. */
+struct attention_unit {
+    int64_t sequence, kv_head, row, rows;
+};
+
+/* The attention's arguments, shared by the threads that split its tiles. */
+struct attention_job {
     const void *q;
     int64_t q_stride;
     const void *k_cache, *v_cache;
     const int32_t *block_table;
     int64_t table_width;
-    const int64_t *lengths;
+    const int64_t *query_start, *lengths;
     void *out;
     int64_t heads, kv_heads, dim, block_size;
     float scale;
+    const struct attention_unit *units;
 };
 
-struct decode_part {
-    const struct decode_job *job;
-    int64_t first, last;
-};
+/* Each of `vectors` rows of scores (`stride` apart) softmaxed over its first counts[g] entries
+ * and zeroed from there up to `len`, so that later loops can run every row to `len`. */
+static void normalise(float *scores, int64_t stride, const int64_t *counts, int64_t len, int64_t vectors) {
+    for (int64_t g = 0; g < vectors; g++) {
+        softmax(scores + g * stride, counts[g]);
+        for (int64_t i = counts[g]; i < len; i++) scores[g * stride + i] = 0.0f;
+    }
+}
 
 #define MAX_THREADS 64
-#define MAX_GROUP 16 /* query heads per kv head */
+#define MAX_VECTORS 16 /* query vectors per tile, so at most 16 query heads per kv head */
 
 #define T float
 #define SUFFIX f32

@@ -1,136 +1,147 @@
-/* Decode attention for one dtype: T, LOAD, STORE, LOAD16, SUFFIX. Included by attention.c. */
+/* Paged attention for one dtype: T, LOAD, STORE, LOAD16, SUFFIX. Included by attention.c. */
 
 #define NAME(name) CAT(name, SUFFIX)
 
-/* Attention of one sequence's `group` query heads (sharing kv head kh) over its `len`
- * cached tokens, 16 tokens at a time: scores of 16 tokens come from `dim` vector FMAs
- * against the transposed key block (no horizontal sums), then each value row is
- * accumulated into every query head's output. Inlined per head size so that `chunks`
- * (dim / 16) is a constant there. `scores` holds group * table_width * block_size floats. */
-static inline __attribute__((always_inline)) void NAME(attend_group)(
-        const T *q, const T *k_cache, const T *v_cache, const int32_t *table, int64_t len, T *out,
-        int64_t kh, int64_t group, int64_t kv_heads, int64_t block_size, float scale, const int64_t chunks,
-        float *scores, float *query, f32x16 *acc) {
-    int64_t dim = chunks * 16, blocks = (len + block_size - 1) / block_size, padded = blocks * block_size;
-    for (int64_t g = 0; g < group; g++)
-        for (int64_t d = 0; d < dim; d++) query[g * dim + d] = LOAD(q[(kh * group + g) * dim + d]) * scale;
+/* The tile's query vectors, scaled, into query[d * MAX_VECTORS + g]: dimension-major, so the
+ * score loop finds a dimension's queries side by side (one base register, no spills). */
+static void NAME(load_queries)(const struct attention_job *job, const T *q, int64_t kh, int64_t vectors,
+                               float *query) {
+    int64_t group = job->heads / job->kv_heads, dim = job->dim;
+    for (int64_t g = 0; g < vectors; g++) {
+        const T *row = q + (g / group) * job->q_stride + (kh * group + g % group) * dim;
+        for (int64_t d = 0; d < dim; d++) query[d * MAX_VECTORS + g] = LOAD(row[d]) * job->scale;
+    }
+}
+
+/* Attention of one tile: `vectors` query vectors that share kv head `kh` of one sequence
+ * (`group` heads of each of vectors / group consecutive query rows), vector v seeing the
+ * first counts[v] cached tokens (the causal limit of its row); `len` is the largest count.
+ * Scores of 16 tokens come from `dim` vector FMAs against the transposed key block (no
+ * horizontal sums); the output is then built 16 dimensions at a time, each value vector
+ * loaded once for all the tile's query vectors. Inlined per tile size so that the
+ * accumulators stay in registers. `scores` holds vectors * table_width * block_size
+ * floats, `query` dim * MAX_VECTORS. */
+static inline __attribute__((always_inline)) void NAME(attend_tile)(
+        const struct attention_job *job, const int32_t *table, const int64_t *counts, int64_t len,
+        const T *q, T *out, int64_t kh, const int64_t vectors, float *scores, float *query) {
+    const T *k_cache = job->k_cache, *v_cache = job->v_cache;
+    int64_t group = job->heads / job->kv_heads, dim = job->dim, block_size = job->block_size;
+    int64_t blocks = (len + block_size - 1) / block_size, padded = blocks * block_size;
+    NAME(load_queries)(job, q, kh, vectors, query);
     int64_t block_elems = dim * block_size, lines = block_elems * (int64_t)sizeof(T) / 64;
     for (int64_t j = 0; j < blocks; j++) {
-        const T *keys = k_cache + ((int64_t)table[j] * kv_heads + kh) * block_elems;
+        const T *keys = k_cache + ((int64_t)table[j] * job->kv_heads + kh) * block_elems;
         /* Blocks sit anywhere in the cache, so the hardware prefetcher cannot guess the next
          * one: request it (keys, then this block's values) while this one is computed. In a
          * served step, where the KV is cold, this took a batch-32 x 280-token call from
          * ~1.5 ms to ~1.2 ms. */
-        const T *next = j + 1 < blocks ? k_cache + ((int64_t)table[j + 1] * kv_heads + kh) * block_elems : NULL;
-        const T *values = v_cache + ((int64_t)table[j] * kv_heads + kh) * block_elems;
+        const T *next = j + 1 < blocks ? k_cache + ((int64_t)table[j + 1] * job->kv_heads + kh) * block_elems : NULL;
+        const T *values = v_cache + ((int64_t)table[j] * job->kv_heads + kh) * block_elems;
         for (int64_t line = 0; line < lines; line++) {
             if (next) __builtin_prefetch((const char *)next + 64 * line);
             __builtin_prefetch((const char *)values + 64 * line);
         }
-        for (int64_t sub = 0; sub < block_size; sub += 16) {
-            f32x16 dot[MAX_GROUP];
-            for (int64_t g = 0; g < group; g++) dot[g] = (f32x16){0};
+        for (int64_t sub = 0; sub < block_size && j * block_size + sub < len; sub += 16) {
+            f32x16 dot[MAX_VECTORS];
+            for (int64_t g = 0; g < vectors; g++) dot[g] = (f32x16){0};
             for (int64_t d = 0; d < dim; d++) {
                 f32x16 column = LOAD16(keys + d * block_size + sub);
-                for (int64_t g = 0; g < group; g++) dot[g] += query[g * dim + d] * column;
+                for (int64_t g = 0; g < vectors; g++) dot[g] += query[d * MAX_VECTORS + g] * column;
             }
-            for (int64_t g = 0; g < group; g++) memcpy(scores + g * padded + j * block_size + sub, &dot[g], sizeof(f32x16));
+            for (int64_t g = 0; g < vectors; g++) memcpy(scores + g * padded + j * block_size + sub, &dot[g], sizeof(f32x16));
         }
     }
-    for (int64_t g = 0; g < group; g++) softmax(scores + g * padded, len);
-    for (int64_t i = 0; i < group * chunks; i++) acc[i] = (f32x16){0};
-    for (int64_t j = 0; j < blocks; j++) {
-        const T *values = v_cache + ((int64_t)table[j] * kv_heads + kh) * block_elems;
-        int64_t count = len - j * block_size < block_size ? len - j * block_size : block_size;
-        for (int64_t i = 0; i < count; i++) {
-            f32x16 row[16];
-            for (int64_t c = 0; c < chunks; c++) row[c] = LOAD16(values + i * dim + c * 16);
-            for (int64_t g = 0; g < group; g++) {
-                float p = scores[g * padded + j * block_size + i];
-                for (int64_t c = 0; c < chunks; c++) acc[g * chunks + c] += p * row[c];
+    normalise(scores, padded, counts, len, vectors);
+    for (int64_t c = 0; c < dim; c += 16) {
+        f32x16 acc[MAX_VECTORS];
+        for (int64_t g = 0; g < vectors; g++) acc[g] = (f32x16){0};
+        for (int64_t j = 0; j < blocks; j++) {
+            const T *values = v_cache + ((int64_t)table[j] * job->kv_heads + kh) * block_elems + c;
+            int64_t count = len - j * block_size < block_size ? len - j * block_size : block_size;
+            for (int64_t i = 0; i < count; i++) {
+                f32x16 value = LOAD16(values + i * dim);
+                for (int64_t g = 0; g < vectors; g++) acc[g] += scores[g * padded + j * block_size + i] * value;
             }
         }
+        for (int64_t g = 0; g < vectors; g++) {
+            T *o = out + (g / group) * job->heads * dim + (kh * group + g % group) * dim + c;
+            for (int64_t l = 0; l < 16; l++) o[l] = STORE(acc[g][l]);
+        }
     }
-    for (int64_t g = 0; g < group; g++)
-        for (int64_t d = 0; d < dim; d++) out[(kh * group + g) * dim + d] = STORE(acc[g * chunks + d / 16][d % 16]);
 }
 
-/* Decode attention over rows [first, last) of the batch, with its own scratch. */
-static void NAME(attend_rows)(const struct decode_job *job, int64_t first, int64_t last) {
-    const T *q = job->q, *k_cache = job->k_cache, *v_cache = job->v_cache;
-    int64_t heads = job->heads, kv_heads = job->kv_heads, dim = job->dim, group = heads / kv_heads, chunks = dim / 16;
-    float *scores = malloc(sizeof(float) * group * job->table_width * job->block_size + sizeof(float) * group * dim);
-    float *query = scores + group * job->table_width * job->block_size;
-    f32x16 *acc = aligned_alloc(sizeof(f32x16), sizeof(f32x16) * group * chunks);
-    for (int64_t b = first; b < last; b++) {
-        const T *qb = q + b * job->q_stride;
-        const int32_t *table = job->block_table + b * job->table_width;
-        T *ob = (T *)job->out + b * heads * dim;
-        int64_t len = job->lengths[b];
-        for (int64_t kh = 0; kh < kv_heads; kh++) {
-            /* Constant group and head sizes for the common shapes keep the accumulators in registers. */
-#define ATTEND(G, C) NAME(attend_group)(qb, k_cache, v_cache, table, len, ob, kh, G, kv_heads, job->block_size, \
-                                        job->scale, C, scores, query, acc)
-#define ATTEND_IF(G, C) if (group == G && chunks == C) { ATTEND(G, C); continue; }
-            ATTEND_IF(1, 4) ATTEND_IF(2, 4) ATTEND_IF(3, 4) ATTEND_IF(4, 4) ATTEND_IF(6, 4) ATTEND_IF(8, 4)
-            ATTEND_IF(1, 8) ATTEND_IF(2, 8) ATTEND_IF(3, 8) ATTEND_IF(4, 8) ATTEND_IF(5, 8) ATTEND_IF(6, 8)
-            ATTEND_IF(7, 8) ATTEND_IF(8, 8)
-            ATTEND(group, chunks);
-#undef ATTEND_IF
-#undef ATTEND
+/* Units [first, last) of the job, with this thread's own scratch. */
+static void NAME(attend_units)(const struct attention_job *job, int64_t first, int64_t last) {
+    int64_t group = job->heads / job->kv_heads, dim = job->dim;
+    float *scores = malloc(sizeof(float) * MAX_VECTORS * (job->table_width * job->block_size + dim));
+    float *query = scores + MAX_VECTORS * job->table_width * job->block_size;
+    for (int64_t u = first; u < last; u++) {
+        const struct attention_unit *unit = &job->units[u];
+        int64_t s = unit->sequence, rows = unit->rows, vectors = rows * group;
+        /* Row r of the sequence's queries is token lengths[s] - (queries - r), so it sees that many. */
+        int64_t end = job->query_start[s + 1], counts[MAX_VECTORS];
+        for (int64_t g = 0; g < vectors; g++) counts[g] = job->lengths[s] - (end - 1 - unit->row - g / group);
+        int64_t len = counts[vectors - 1];
+        const int32_t *table = job->block_table + s * job->table_width;
+        const T *q = (const T *)job->q + unit->row * job->q_stride;
+        T *out = (T *)job->out + unit->row * job->heads * dim;
+        /* Constant tile and head sizes keep the accumulators in registers. */
+#define ATTEND(V) case V: NAME(attend_tile)(job, table, counts, len, q, out, unit->kv_head, V, scores, query); break;
+        switch (vectors) {
+            ATTEND(1) ATTEND(2) ATTEND(3) ATTEND(4) ATTEND(5) ATTEND(6) ATTEND(7) ATTEND(8)
+            ATTEND(9) ATTEND(10) ATTEND(11) ATTEND(12) ATTEND(13) ATTEND(14) ATTEND(15) ATTEND(16)
         }
+#undef ATTEND
     }
-    free(acc);
     free(scores);
 }
 
-static void *NAME(attend_part)(void *arg) {
-    struct decode_part *part = arg;
-    NAME(attend_rows)(part->job, part->first, part->last);
-    return NULL;
-}
-
-/* One query token per sequence attending to its whole paged context.
- * q: [batch, heads, dim] (rows q_stride apart); caches in rope_store's layout (block_size
- * a multiple of 16, heads / kv_heads at most MAX_GROUP);
- * block_table: [batch, table_width]; lengths: context tokens per sequence (the new
- * token included); out: [batch, heads, dim] contiguous. dim is a multiple of 16 and at
- * most 256. Query heads are grouped over the kv heads (GQA): each cached vector is
- * loaded once for its whole group. With threads > 1 and enough work, the rows are split into
- * parts of about equal context, one per thread. */
-void NAME(decode_attention)(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache,
-                            const int32_t *block_table, int64_t table_width, const int64_t *lengths,
-                            T *out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
-                            int64_t block_size, float scale, int64_t threads) {
-    struct decode_job job = {q, q_stride, k_cache, v_cache, block_table, table_width, lengths, out,
-                             heads, kv_heads, dim, block_size, scale};
-    int64_t total = 0;
-    for (int64_t b = 0; b < batch; b++) total += lengths[b];
+/* Causal attention of every query row of a step over its sequence's paged context: decodes
+ * (one query each) and prompt chunks (several, continuing any cached context) in one call.
+ * Sequence s owns query rows [query_start[s], query_start[s + 1]), the last new tokens of its
+ * lengths[s]-token context, whose keys and values rope_store has already cached.
+ * q: [rows, heads, dim] (rows q_stride apart); caches in rope_store's layout (block_size a
+ * multiple of 16); block_table: [seqs, table_width]; out: [rows, heads, dim] contiguous.
+ * dim is a multiple of 16 up to 256 and heads / kv_heads at most MAX_VECTORS.
+ * The work is cut into tiles of up to MAX_VECTORS query vectors that share a kv head (GQA:
+ * each cached vector is loaded once for the tile), and, with threads > 1 and enough work,
+ * the tiles are split into parts of about equal cost, one per thread of torch's OpenMP pool. */
+void NAME(paged_attention)(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache,
+                           const int32_t *block_table, int64_t table_width, const int64_t *query_start,
+                           const int64_t *lengths, T *out, int64_t seqs, int64_t heads, int64_t kv_heads,
+                           int64_t dim, int64_t block_size, float scale, int64_t threads) {
+    int64_t group = heads / kv_heads, tile_rows = MAX_VECTORS / group, count = 0;
+    for (int64_t s = 0; s < seqs; s++)
+        count += (query_start[s + 1] - query_start[s] + tile_rows - 1) / tile_rows * kv_heads;
+    struct attention_unit *units = malloc(sizeof(struct attention_unit) * (count ? count : 1));
+    int64_t *costs = malloc(sizeof(int64_t) * (count ? count : 1)), total = 0, u = 0;
+    for (int64_t s = 0; s < seqs; s++) /* a sequence's tiles of one kv head in a row: its KV stays cached */
+        for (int64_t kh = 0; kh < kv_heads; kh++)
+            for (int64_t row = query_start[s]; row < query_start[s + 1]; row += tile_rows, u++) {
+                int64_t rows = query_start[s + 1] - row < tile_rows ? query_start[s + 1] - row : tile_rows;
+                units[u] = (struct attention_unit){s, kh, row, rows};
+                costs[u] = (lengths[s] - (query_start[s + 1] - row - rows)) * rows * group;
+                total += costs[u];
+            }
+    struct attention_job job = {q, q_stride, k_cache, v_cache, block_table, table_width, query_start, lengths,
+                                out, heads, kv_heads, dim, block_size, scale, units};
     if (threads > MAX_THREADS) threads = MAX_THREADS;
-    if (threads > batch) threads = batch;
-    if (threads <= 1 || total * heads < PARALLEL_MIN_WORK) {
-        NAME(attend_rows)(&job, 0, batch);
-        return;
+    if (threads > count) threads = count;
+    if (threads <= 1 || total < PARALLEL_MIN_WORK) {
+        NAME(attend_units)(&job, 0, count);
+    } else {
+        /* Part p covers units [first[p], first[p + 1]): about total / threads of the cost each. */
+        int64_t first[MAX_THREADS + 1] = {0}, next = 0, done = 0;
+        for (int64_t p = 0; p < threads; p++) {
+            int64_t target = total * (p + 1) / threads;
+            while (next < count && (p == threads - 1 || done < target)) done += costs[next++];
+            first[p + 1] = next;
+        }
+#pragma omp parallel for schedule(static, 1) num_threads(threads)
+        for (int64_t p = 0; p < threads; p++) NAME(attend_units)(&job, first[p], first[p + 1]);
     }
-    struct decode_part parts[MAX_THREADS];
-    pthread_t workers[MAX_THREADS];
-    int64_t row = 0, done = 0;
-    for (int64_t p = 0; p < threads; p++) {
-        parts[p] = (struct decode_part){&job, row, row};
-        int64_t target = total * (p + 1) / threads;
-        while (parts[p].last < batch && (p == threads - 1 || done < target)) done += lengths[parts[p].last++];
-        row = parts[p].last;
-    }
-    int started[MAX_THREADS] = {0};
-    for (int64_t p = 1; p < threads; p++)
-        started[p] = pthread_create(&workers[p], NULL, NAME(attend_part), &parts[p]) == 0;
-    NAME(attend_rows)(&job, parts[0].first, parts[0].last);
-    for (int64_t p = 1; p < threads; p++) {
-        if (started[p])
-            pthread_join(workers[p], NULL);
-        else
-            NAME(attend_rows)(&job, parts[p].first, parts[p].last); /* no thread: do it here */
-    }
+    free(costs);
+    free(units);
 }
 
 #undef NAME

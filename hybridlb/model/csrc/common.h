@@ -92,8 +92,12 @@ static inline float sum16(float *lanes) {
     return lanes[0];
 }
 
-/* Below this many (context token, query head) pairs a thread costs more than it saves. */
+/* The kernels run on torch's OpenMP thread pool (kernels.py links the same runtime), whose
+ * workers are still spinning from the matmul before, so handing them work is cheap. Below
+ * these sizes one thread is still faster: (context token, query head) pairs for attention,
+ * elements for the row kernels. */
 #define PARALLEL_MIN_WORK 16384
+#define PARALLEL_MIN_ELEMENTS 16384
 
 #define CAT_(a, b) a##_##b
 #define CAT(a, b) CAT_(a, b)

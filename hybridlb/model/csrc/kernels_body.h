@@ -6,8 +6,11 @@
 /* out = weight * norm(x), or, with residual: residual = x + residual, out = weight * norm(residual).
  * Rows of x are `stride` elements apart; residual and out are contiguous. */
 void NAME(rms_norm)(const T *x, int64_t stride, T *residual, const T *weight, T *out,
-                    int64_t rows, int64_t hidden, float eps) {
+                    int64_t rows, int64_t hidden, float eps, int64_t threads) {
+#pragma omp parallel num_threads(threads) if (threads > 1 && rows * hidden >= PARALLEL_MIN_ELEMENTS)
+    {
     float *row = malloc(sizeof(float) * hidden);
+#pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const T *xr = x + r * stride;
         float lanes[16] = {0};
@@ -30,6 +33,7 @@ void NAME(rms_norm)(const T *x, int64_t stride, T *residual, const T *weight, T 
         for (int64_t j = 0; j < hidden; j++) orow[j] = STORE(LOAD(weight[j]) * ROUND(row[j] * scale));
     }
     free(row);
+    }
 }
 
 /* Rotate-half RoPE applied in place to q [n, heads, dim] and k [n, kv_heads, dim]
@@ -40,10 +44,13 @@ void NAME(rms_norm)(const T *x, int64_t stride, T *residual, const T *weight, T 
 void NAME(rope_store)(T *q, int64_t q_stride, T *k, int64_t k_stride, const T *v, int64_t v_stride,
                       const int64_t *positions, const float *cos_table, const float *sin_table,
                       const int64_t *slots, T *k_cache, T *v_cache, int64_t n, int64_t heads,
-                      int64_t kv_heads, int64_t dim, int64_t block_size) {
+                      int64_t kv_heads, int64_t dim, int64_t block_size, int64_t threads) {
     int64_t half = dim / 2;
+#pragma omp parallel num_threads(threads) if (threads > 1 && n * (heads + kv_heads) * dim >= PARALLEL_MIN_ELEMENTS)
+    {
     float *c = malloc(sizeof(float) * dim * 3);
     float *s = c + dim, *x = c + 2 * dim;
+#pragma omp for schedule(static)
     for (int64_t t = 0; t < n; t++) {
         const float *ct = cos_table + positions[t] * dim, *st = sin_table + positions[t] * dim;
         for (int64_t d = 0; d < dim; d++) {
@@ -68,10 +75,12 @@ void NAME(rope_store)(T *q, int64_t q_stride, T *k, int64_t k_stride, const T *v
         }
     }
     free(c);
+    }
 }
 
 /* out [n, inter] = silu(gate) * up, where x [n, 2 * inter] holds gate then up per row. */
-void NAME(silu_mul)(const T *restrict x, T *restrict out, int64_t n, int64_t inter) {
+void NAME(silu_mul)(const T *restrict x, T *restrict out, int64_t n, int64_t inter, int64_t threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && n * inter >= PARALLEL_MIN_ELEMENTS)
     for (int64_t r = 0; r < n; r++) {
         const T *restrict gate = x + r * 2 * inter, *restrict up = gate + inter;
         T *restrict o = out + r * inter;
