@@ -196,7 +196,7 @@ class SimulatedServer:
 def generation_tokens(port: int) -> dict[int, float]:
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
     return {int(e): float(v) for e, v in
-            re.findall(r'^hybridlb:generation_tokens_total\{[^}]*engine="(\d+)"[^}]*\} (\S+)$', text, re.M)}
+            re.findall(r'^vllm:generation_tokens_total\{[^}]*engine="(\d+)"[^}]*\} (\S+)$', text, re.M)}
 
 
 def engine_steps(port: int) -> dict[int, int]:

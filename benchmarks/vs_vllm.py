@@ -25,7 +25,6 @@ import subprocess
 from pathlib import Path
 
 import httpx
-
 from common import (
     VLLM_ENV,
     Server,

@@ -11,7 +11,7 @@ from hybridlb.config import EngineConfig
 from hybridlb.engine.simulated import make_core
 from hybridlb.model.detokenizer import IncrementalDetokenizer
 from hybridlb.model.tokenizer import Tokenizer
-from hybridlb.protocol import SamplingParams
+from hybridlb.protocol import SamplingParams, TokenLogprobs
 
 
 @dataclass
@@ -20,6 +20,8 @@ class CompletionOutput:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    logprobs: list[TokenLogprobs] | None = None  # with SamplingParams.logprobs: one per token
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # with prompt_logprobs: None first
 
 
 class LLM:
@@ -64,6 +66,10 @@ class LLM:
                 result, detok = live[output.request_id]
                 result.token_ids += output.new_token_ids
                 result.text += detok.push(output.new_token_ids)
+                if output.logprobs is not None:
+                    result.logprobs = (result.logprobs or []) + output.logprobs
+                if output.prompt_logprobs is not None:
+                    result.prompt_logprobs = output.prompt_logprobs
                 if detok.stopped:
                     self.engine.abort([output.request_id])
                     result.finish_reason = "stop"

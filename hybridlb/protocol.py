@@ -88,6 +88,7 @@ from __future__ import annotations
 import msgspec
 
 FinishReason = str  # "stop" | "length" | "abort" | "error"
+MAX_LOGPROBS = 20  # most alternatives a request may ask for per position (vLLM's default)
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True):
@@ -107,6 +108,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
     ignore_eos: bool = False
     repetition_penalty: float = 1.0  # > 1 discourages tokens already in the prompt or output
+    # Log-probabilities (the model's own, before penalties and temperature) of each sampled
+    # token with this many most likely alternatives; prompt_logprobs the same for every prompt
+    # token after the first. None: not computed.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -129,6 +135,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
             found.append(("stop", "stop strings must not be empty"))
         if any(t < 0 for t in self.stop_token_ids):
             found.append(("stop_token_ids", "stop_token_ids must be non-negative"))
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                found.append((name, f"{name} must be in [0, {MAX_LOGPROBS}], got {value}"))
         return found
 
 
@@ -159,14 +169,31 @@ class EngineReady(msgspec.Struct, tag="ready"):
     simulated: bool = False  # engine.simulate: no model, steps only sleep (control-plane benchmarks)
 
 
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """Log-probabilities at one position: of the token there, and of the most likely tokens."""
+
+    token_id: int
+    logprob: float
+    top_ids: list[int] = msgspec.field(default_factory=list)
+    top_logprobs: list[float] = msgspec.field(default_factory=list)
+
+
 class RequestOutput(msgspec.Struct, omit_defaults=True):
-    """New tokens of one request since its last output; ``finish_reason`` set on its last."""
+    """New tokens of one request since its last output; ``finish_reason`` set on its last.
+    With SamplingParams.logprobs, one TokenLogprobs per new token; with prompt_logprobs,
+    the first output carries one per prompt token (None for the first, which has no context)."""
 
     request_id: str
     new_token_ids: list[int]
     finish_reason: FinishReason | None = None
     stop_token_id: int | None = None
     error: str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # On the first token's output: seconds the request waited before it was first scheduled,
+    # then from there to its first token (the engine's own clock; vLLM's queue / prefill times).
+    queued_s: float | None = None
+    prefill_s: float | None = None
 
 
 class EngineStats(msgspec.Struct, tag="stats"):
@@ -184,6 +211,7 @@ class EngineStats(msgspec.Struct, tag="stats"):
     meta_s: float = 0.0  # expert parallel: time blocked on the per-step metadata exchange
     steps: int = 0  # steps that ran real tokens
     rss_mib: float = 0.0  # the engine process's resident memory (rides along, refreshed every second)
+    num_preemptions: int = 0  # requests preempted since start (rides along)
 
 
 def is_newer(stats: EngineStats, than: EngineStats | None) -> bool:

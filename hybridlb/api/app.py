@@ -27,9 +27,11 @@ from hybridlb.api.errors import APIError, error_response, install_error_handlers
 from hybridlb.api.frontend import Frontend
 from hybridlb.api.metrics import Metrics
 from hybridlb.api.schemas import ChatCompletionRequest, CompletionRequest
+from hybridlb.api.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize, tokenizer_info
 from hybridlb.config import Config
 from hybridlb.model.chat_template import read_template_argument
 from hybridlb.model.generation_config import sampling_defaults
+from hybridlb.model.spec import load_spec
 from hybridlb.model.tokenizer import Tokenizer
 from hybridlb.protocol import loads_decoder
 from hybridlb.transport import connect_securely
@@ -52,18 +54,21 @@ def _engine_view(engine: EngineConnection) -> dict:
     }
 
 
-async def _announce_ready(connections: list[EngineConnection], on_ready: Callable[[], None] | None) -> None:
+async def _announce_ready(connections: list[EngineConnection], on_ready: Callable[[], None] | None,
+                          metrics: Metrics) -> None:
     while True:
         await asyncio.gather(*(c.wait_ready(3600) for c in connections))
         if all(c.alive for c in connections):
             break
+    for connection in connections:
+        metrics.engine_ready(connection.info)
     log.info("all %d engines ready", len(connections))
     if on_ready is not None:
         on_ready()
 
 
 # Probes, scrapers and upstream balancers: no API key, and never refused for load.
-OPEN_PATHS = frozenset({"/health", "/load", "/metrics", "/version"})
+OPEN_PATHS = frozenset({"/health", "/ping", "/load", "/metrics", "/version"})
 
 
 class RequestGuard:
@@ -161,7 +166,7 @@ def create_app(config: Config, spec: ApiServerSpec, on_ready: Callable[[], None]
     """An API server over the engines in ``spec``; ``on_ready`` runs once they all are;
     ``observer`` mirrors metrics elsewhere (see ``Metrics``)."""
     name = config.served_model_name
-    metrics = Metrics(name, observer)
+    metrics = Metrics(name, observer, load_spec(config.engine.model).model_len(config.engine.max_model_len))
     tokenizer = Tokenizer(config.engine.model, read_template_argument(config.api.chat_template)
                           if config.api.chat_template else None)
     defaults = sampling_defaults(config.engine.model, config.api.generation_config)
@@ -180,7 +185,7 @@ def create_app(config: Config, spec: ApiServerSpec, on_ready: Callable[[], None]
         frontend = state["frontend"] = Frontend(connections, tokenizer, metrics, spec.policy,
                                                         follows_coordinator=spec.coordinator_loads is not None,
                                                         sampling_defaults=defaults)
-        tasks = [asyncio.create_task(_announce_ready(connections, on_ready))]
+        tasks = [asyncio.create_task(_announce_ready(connections, on_ready, metrics))]
         if spec.coordinator_loads:
             tasks.append(asyncio.create_task(_follow_coordinator(context, spec.coordinator_loads, frontend,
                                                                   spec.cluster_token)))
@@ -197,8 +202,9 @@ def create_app(config: Config, spec: ApiServerSpec, on_ready: Callable[[], None]
     app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=config.api.max_body_bytes,
                        max_concurrent=config.api.max_concurrent_requests)
 
-    def frontend_for(model: str) -> Frontend:
-        if model != name:
+    def frontend_for(model: str | None) -> Frontend:
+        """The frontend, for a request naming ``model`` (None: a tokenizer call that names none)."""
+        if model is not None and model != name:
             raise APIError(404, f"the model `{model}` does not exist; this server serves `{name}`",
                            param="model", code="model_not_found")
         frontend = state["frontend"]
@@ -215,6 +221,18 @@ def create_app(config: Config, spec: ApiServerSpec, on_ready: Callable[[], None]
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         frontend = frontend_for(body.model)
         return await respond(request, frontend, chat_job(frontend, body), body.stream)
+
+    @app.post("/tokenize")
+    async def tokenize_route(body: TokenizeRequest):
+        return tokenize(frontend_for(body.model), body)
+
+    @app.post("/detokenize")
+    async def detokenize_route(body: DetokenizeRequest):
+        return detokenize(frontend_for(body.model), body)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info_route():
+        return tokenizer_info(frontend_for(None))
 
     @app.get("/v1/models")
     async def models():
@@ -237,6 +255,11 @@ def create_app(config: Config, spec: ApiServerSpec, on_ready: Callable[[], None]
         problems = frontend.problems()
         return JSONResponse({"status": "degraded" if problems else "ok", "problems": problems,
                              "down_ranks": frontend.down_ranks})
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping():
+        """/health under the name SageMaker-style probes use."""
+        return await health()
 
     @app.get("/ranks")
     async def ranks():

@@ -36,7 +36,27 @@ class Job:
     prompts: list[list[int]]
     params: list[SamplingParams]
     include_usage: bool
+    logprobs: bool = False  # whether choices show log-probabilities
+    echo: list[str] | None = None  # completions with echo: each prompt's text, shown before its output
     created: int = field(default_factory=lambda: int(time.time()))
+
+
+@dataclass
+class Choice:
+    """One choice's output so far (a whole response, or the part a stream has not sent yet)."""
+
+    text: list[str] = field(default_factory=list)
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)  # TokenLogprobs, or None for a prompt's first token
+
+    def add(self, delta) -> None:
+        self.text.append(delta.text)
+        self.num_tokens += delta.num_tokens
+        self.finish_reason = delta.finish_reason
+        self.token_ids += delta.token_ids
+        self.logprobs += delta.logprobs or []
 
 
 def _pinned_rank(request: Request) -> int | None:
@@ -75,9 +95,12 @@ def _params(frontend: Frontend, body: _Sampling, ids: list[int], requested: int 
 
 def completion_job(frontend: Frontend, body: CompletionRequest) -> Job:
     body.check_supported()
-    prompts = [_token_ids(frontend, p) for p in body.prompts()]
+    texts = body.prompts()
+    prompts = [_token_ids(frontend, p) for p in texts]
     params = [_params(frontend, body, ids, body.max_tokens) for ids in prompts]
-    return Job("text_completion", f"cmpl-{uuid.uuid4().hex}", body.model, prompts, params, body.include_usage)
+    echo = [t if isinstance(t, str) else frontend.tokenizer.decode(t) for t in texts] if body.echo else None
+    return Job("text_completion", f"cmpl-{uuid.uuid4().hex}", body.model, prompts, params, body.include_usage,
+               body.wants_logprobs, echo)
 
 
 def chat_job(frontend: Frontend, body: ChatCompletionRequest) -> Job:
@@ -89,7 +112,8 @@ def chat_job(frontend: Frontend, body: ChatCompletionRequest) -> Job:
         raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from None
     ids = frontend.tokenizer.encode(text, add_special_tokens=False)
     params = _params(frontend, body, ids, body.requested_max_tokens)
-    return Job("chat.completion", f"chatcmpl-{uuid.uuid4().hex}", body.model, [ids], [params], body.include_usage)
+    return Job("chat.completion", f"chatcmpl-{uuid.uuid4().hex}", body.model, [ids], [params], body.include_usage,
+               body.wants_logprobs)
 
 
 async def respond(request: Request, frontend: Frontend, job: Job, stream: bool) -> Response:
@@ -100,19 +124,19 @@ async def respond(request: Request, frontend: Frontend, job: Job, stream: bool) 
     streams = [frontend.generate(f"{job.id}-{i}", ids, params, rank)
                for i, (ids, params) in enumerate(zip(job.prompts, job.params, strict=True))]
     if stream:
-        return StreamingResponse(_sse(job, streams), media_type="text/event-stream")
-    result = await _unless_disconnected(request, _collect(job, streams))
+        return StreamingResponse(_sse(frontend, job, streams), media_type="text/event-stream")
+    result = await _unless_disconnected(request, _collect(frontend, job, streams))
     return JSONResponse(result) if result is not None else Response(status_code=499)
 
 
-async def _collect(job: Job, streams: list[AsyncIterator]) -> dict:
-    async def one(index: int, stream: AsyncIterator) -> tuple[str, int, str]:
-        text, tokens, reason = [], 0, None
+async def _collect(frontend: Frontend, job: Job, streams: list[AsyncIterator]) -> dict:
+    async def one(index: int, stream: AsyncIterator) -> Choice:
+        choice = Choice()
         async for delta in stream:
-            text.append(delta.text)
-            tokens += delta.num_tokens
-            reason = delta.finish_reason
-        return "".join(text), tokens, reason
+            if not choice.text:  # the first delta
+                _prepend_prompt(job, index, choice, delta)
+            choice.add(delta)
+        return choice
 
     tasks = [asyncio.ensure_future(one(i, s)) for i, s in enumerate(streams)]
     try:
@@ -120,16 +144,35 @@ async def _collect(job: Job, streams: list[AsyncIterator]) -> dict:
     finally:  # on failure or cancellation, stop every prompt's generation, not just one
         for task in tasks:
             task.cancel()
-    choices = []
-    for index, (text, _, reason) in enumerate(results):
+    choices = [_choice(frontend, job, index, result, 0) for index, result in enumerate(results)]
+    for choice, result in zip(choices, results, strict=True):
         if job.kind == "chat.completion":
-            choices.append({"index": index, "message": {"role": "assistant", "content": text},
-                            "logprobs": None, "finish_reason": reason})
-        else:
-            choices.append({"index": index, "text": text, "logprobs": None, "finish_reason": reason})
-    completion = sum(tokens for _, tokens, _ in results)
+            choice["message"] = {"role": "assistant", "content": choice.pop("text")}
+        choice["finish_reason"] = result.finish_reason
+    completion = sum(result.num_tokens for result in results)
     return {"id": job.id, "object": job.kind, "created": job.created, "model": job.model,
             "choices": choices, "usage": _usage(job, completion)}
+
+
+def _prepend_prompt(job: Job, index: int, choice: Choice, delta) -> None:
+    """Completions with echo: the prompt's text (and log-probabilities) come before the output."""
+    if job.echo is None:
+        return
+    choice.text.append(job.echo[index])
+    choice.token_ids += job.prompts[index]
+    if job.logprobs:
+        choice.logprobs += delta.prompt_logprobs or [None] * len(job.prompts[index])
+
+
+def _choice(frontend: Frontend, job: Job, index: int, choice: Choice, offset: int) -> dict:
+    """The choice object (``text`` holds its text in either API) with its log-probabilities."""
+    text = "".join(choice.text)
+    logprobs = None
+    if job.logprobs and job.kind == "chat.completion":
+        logprobs = frontend.logprob_format.chat(choice.logprobs)
+    elif job.logprobs:
+        logprobs = frontend.logprob_format.completion(choice.token_ids, choice.logprobs, offset)
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}
 
 
 def _usage(job: Job, completion_tokens: int) -> dict:
@@ -157,19 +200,18 @@ async def _unless_disconnected(request: Request, work):
     return None
 
 
-def _chunk(job: Job, index: int, text: str | None, reason: str | None, first: bool) -> bytes:
+def _chunk(job: Job, choice: dict, first: bool) -> bytes:
     if job.kind == "chat.completion":
-        delta = {"role": "assistant", "content": text or ""} if first else {"content": text} if text else {}
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+        text = choice.pop("text")
+        choice["delta"] = ({"role": "assistant", "content": text} if first else {"content": text} if text else {})
         kind = "chat.completion.chunk"
     else:
-        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
         kind = "text_completion"
     body = {"id": job.id, "object": kind, "created": job.created, "model": job.model, "choices": [choice]}
     return b"data: " + _json.encode(body) + b"\n\n"
 
 
-async def _sse(job: Job, streams: list[AsyncIterator]) -> AsyncIterator[bytes]:
+async def _sse(frontend: Frontend, job: Job, streams: list[AsyncIterator]) -> AsyncIterator[bytes]:
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int, stream: AsyncIterator) -> None:
@@ -182,21 +224,32 @@ async def _sse(job: Job, streams: list[AsyncIterator]) -> AsyncIterator[bytes]:
             await queue.put((index, None))
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    # Per choice: what is not sent yet (tokens whose text is still incomplete), characters
+    # sent so far (the completions text_offset), and whether anything was sent.
+    pending = [Choice() for _ in streams]
+    offsets = [0] * len(streams)
+    started = [False] * len(streams)
     try:
-        if job.kind == "chat.completion":
-            yield _chunk(job, 0, "", None, first=True)
         open_streams, completion = len(streams), 0
         while open_streams:
             index, item = await queue.get()
             if item is None:
                 open_streams -= 1
-            elif isinstance(item, APIError):
+                continue
+            if isinstance(item, APIError):
                 yield b"data: " + _json.encode(item.body()) + b"\n\n"
-            elif item.text or item.finish_reason:
-                completion += item.num_tokens
-                yield _chunk(job, index, item.text, item.finish_reason, first=False)
-            else:
-                completion += item.num_tokens
+                continue
+            completion += item.num_tokens
+            choice = pending[index]
+            if not started[index] and not choice.text:
+                _prepend_prompt(job, index, choice, item)
+            choice.add(item)
+            text = "".join(choice.text)
+            if text or item.finish_reason:  # a role-only or empty chunk would read as a first token
+                body = _choice(frontend, job, index, choice, offsets[index])
+                body["finish_reason"] = item.finish_reason
+                yield _chunk(job, body, first=not started[index])
+                started[index], offsets[index], pending[index] = True, offsets[index] + len(text), Choice()
         if job.include_usage:
             usage = {"id": job.id, "object": f"{job.kind}.chunk" if job.kind == "chat.completion" else job.kind,
                      "created": job.created, "model": job.model, "choices": [], "usage": _usage(job, completion)}

@@ -16,26 +16,31 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hybridlb.api.balance import choose_engine
 from hybridlb.api.engine_client import EngineConnection, EngineUnavailable
 from hybridlb.api.errors import APIError
-from hybridlb.api.metrics import Metrics
+from hybridlb.api.logprobs import LogprobFormatter
+from hybridlb.api.metrics import Finished, Metrics
 from hybridlb.model.detokenizer import IncrementalDetokenizer
 from hybridlb.model.tokenizer import Tokenizer
-from hybridlb.protocol import LoadSnapshot, SamplingParams
+from hybridlb.protocol import LoadSnapshot, SamplingParams, TokenLogprobs
 
 log = logging.getLogger(__name__)
 COORDINATOR_SILENCE_S = 3.0  # three missed coordinator heartbeats
 
 @dataclass
 class Delta:
-    """New text of one request; ``finish_reason`` is set on its last delta."""
+    """New text of one request; ``finish_reason`` is set on its last delta. The engine's
+    log-probabilities ride along when the request asked for them (see RequestOutput)."""
 
     text: str
     num_tokens: int
     finish_reason: str | None = None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class Frontend:
@@ -49,6 +54,7 @@ class Frontend:
         self.policy = policy
         self.by_rank = {engine.rank: engine for engine in engines}
         self.tokenizer = tokenizer
+        self.logprob_format = LogprobFormatter(tokenizer)
         self.metrics = metrics
         self.snapshot: LoadSnapshot | None = None  # the coordinator's latest view of every rank
         self._turn = itertools.count()
@@ -163,6 +169,8 @@ class Frontend:
         engine, queue = self._submit(request_id, prompt_ids, params, rank, tried)
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
         last_token_at, num_tokens, finished, yielded = None, 0, False, False
+        timings: tuple[float | None, float | None] = (None, None)  # the engine's queue and prefill times
+        ttft = None
         try:
             while not finished:
                 output = await queue.get()
@@ -176,9 +184,12 @@ class Frontend:
                 if output.error:
                     raise APIError(400, output.error)
                 now = time.perf_counter()
+                if output.queued_s is not None:
+                    timings = (output.queued_s, output.prefill_s)
                 if output.new_token_ids:
                     if last_token_at is None:
-                        self.metrics.first_token(engine.rank, now - arrival)
+                        ttft = now - arrival
+                        self.metrics.first_token(engine.rank, ttft)
                     else:
                         self.metrics.itl.labels(**self.metrics.labels(engine.rank)).observe(now - last_token_at)
                     last_token_at = now
@@ -189,9 +200,11 @@ class Frontend:
                     text += detok.finish()
                 finished = reason is not None
                 if finished:
-                    self.metrics.finished(engine.rank, reason, now - arrival, len(prompt_ids), num_tokens)
+                    self.metrics.finished(Finished(engine.rank, reason, now - arrival, len(prompt_ids), num_tokens,
+                                                   params.max_tokens, ttft, *timings))
                 yielded = True
-                yield Delta(text, len(output.new_token_ids), reason)
+                yield Delta(text, len(output.new_token_ids), reason, output.new_token_ids, output.logprobs,
+                            output.prompt_logprobs)
         finally:
             # Not finished by the engine (stop string, client gone, error): stop it there too.
             engine.release(request_id, abort=not finished or detok.stopped)

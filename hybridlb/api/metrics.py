@@ -1,65 +1,127 @@
-"""Prometheus metrics of one API server, vLLM-compatible names, labelled per engine.
+"""Prometheus metrics of one API server, labelled per engine.
 
-``engine`` is the global data-parallel rank, so balance across ranks is checkable
-from ``/metrics`` alone. When several API server processes share a node's port, the
-launcher sets ``PROMETHEUS_MULTIPROC_DIR`` and every scrape, whichever process answers
-it, reports the node's totals: counters and histograms add up across the processes,
-engine gauges show the most recent value any of them saw.
+What vLLM also measures carries vLLM's name, type, labels (``model_name``, ``engine``) and
+histogram buckets, so llm-d's endpoint picker (``vllm:num_requests_waiting``,
+``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc``) and vLLM's Grafana dashboard
+read a hybridlb server unmodified. What only hybridlb has (expert-parallel waves and
+collectives, busy time, engine memory) is under ``hybridlb:``.
+
+``engine`` is the global data-parallel rank, so balance across ranks is checkable from
+``/metrics`` alone. When several API server processes share a node's port, the launcher
+sets ``PROMETHEUS_MULTIPROC_DIR`` and every scrape, whichever process answers it, reports
+the node's totals: counters and histograms add up across the processes, engine gauges
+show the most recent value any of them saw.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from hybridlb.protocol import EngineStats, LoadSnapshot
+from hybridlb.protocol import EngineReady, EngineStats, LoadSnapshot
 
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                    10.0, 20.0, 40.0, 80.0)
-_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+# vLLM's default buckets (vllm/v1/metrics/buckets.py), so dashboards' quantiles line up.
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+N_BUCKETS = (1, 2, 5, 10, 20)
+DEFAULT_MAX_MODEL_LEN = 32768  # token-count buckets before the engines said their limit
+
+
+def token_buckets(max_model_len: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to max_model_len (vLLM's request-token buckets)."""
+    buckets, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_model_len:
+                return buckets
+            buckets.append(mantissa * scale)
+        scale *= 10
+
+
+@dataclass
+class Finished:
+    """One finished request, as the API server saw it (times in seconds)."""
+
+    rank: int
+    reason: str
+    e2e_s: float
+    prompt_tokens: int
+    output_tokens: int
+    max_tokens: int | None
+    ttft_s: float | None = None
+    queued_s: float | None = None  # the engine's: waiting before it was first scheduled
+    prefill_s: float | None = None  # the engine's: first scheduled to first token
 
 
 class Metrics:
-    def __init__(self, model_name: str, observer=None):
+    def __init__(self, model_name: str, observer=None, max_model_len: int = DEFAULT_MAX_MODEL_LEN):
         # observer: also told of first tokens, finishes and engine stats (the Ray dashboard mirror)
         self.observer = observer
+        self.model_name = model_name
         self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
         # In multiprocess mode values live in files and a collector reads them all at scrape time.
         self.registry = CollectorRegistry()
+        self._preemptions: dict[int, tuple[int, int]] = {}  # rank -> (engine epoch, preemptions counted)
         r = None if self.multiprocess else self.registry
         labels = ["model_name", "engine"]
         gauge = {"multiprocess_mode": "mostrecent"} if self.multiprocess else {}
-        self.running = Gauge("hybridlb:num_requests_running", "Requests in the engine's running batch.", labels,
-                             registry=r, **gauge)
-        self.waiting = Gauge("hybridlb:num_requests_waiting", "Requests waiting in the engine.", labels,
-                             registry=r, **gauge)
-        self.kv_usage = Gauge("hybridlb:kv_cache_usage_perc", "Fraction of KV blocks in use.", labels,
-                              registry=r, **gauge)
-        self.busy = Gauge("hybridlb:engine_busy_seconds", "Time the engine spent stepping.", labels,
-                          registry=r, **gauge)
-        self.rss = Gauge("hybridlb:engine_resident_memory_bytes", "The engine process's resident memory.",
-                         labels, registry=r, **gauge)
-        self.dummy_steps = Gauge("hybridlb:dummy_steps", "MoE lockstep: steps run with no work.", labels,
-                                 registry=r, **gauge)
-        self.collective = Gauge("hybridlb:dp_collective_seconds", "MoE lockstep: time in DP collectives.",
-                                labels, registry=r, **gauge)
-        self.wave = Gauge("hybridlb:dp_current_wave", "MoE lockstep: the current wave.", ["model_name"],
-                          registry=r, **gauge)
-        self.waves_completed = Gauge("hybridlb:dp_waves_completed", "MoE lockstep: waves completed.",
-                                     ["model_name"], registry=r, **gauge)
-        self.ttft = Histogram("hybridlb:time_to_first_token_seconds", "Time to first token.", labels,
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("hybridlb:inter_token_latency_seconds", "Time between streamed tokens.", labels,
-                             buckets=_TOKEN_BUCKETS, registry=r)
-        self.e2e = Histogram("hybridlb:e2e_request_latency_seconds", "Request latency, arrival to finish.",
-                             labels, buckets=_LATENCY_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("hybridlb:prompt_tokens", "Prompt tokens processed.", labels, registry=r)
-        self.generation_tokens = Counter("hybridlb:generation_tokens", "Tokens generated.", labels, registry=r)
-        self.success = Counter("hybridlb:request_success", "Finished requests by reason.",
+
+        def g(name: str, help_: str, names=labels) -> Gauge:
+            return Gauge(name, help_, names, registry=r, **gauge)
+
+        def h(name: str, help_: str, buckets) -> Histogram:
+            return Histogram(name, help_, labels, buckets=buckets, registry=r)
+
+        self.running = g("vllm:num_requests_running", "Number of requests in model execution batches.")
+        self.waiting = g("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        self.kv_usage = g("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.preemptions = Counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+                                   labels, registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", labels, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.",
+                                         labels, registry=r)
+        self.success = Counter("vllm:request_success", "Count of successfully processed requests.",
                                [*labels, "finished_reason"], registry=r)
-        self.model_name = model_name
+        self.ttft = h("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                      TTFT_BUCKETS)
+        self.itl = h("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
+        self.tpot = h("vllm:request_time_per_output_token_seconds",
+                      "Histogram of time_per_output_token_seconds per request.", ITL_BUCKETS)
+        self.e2e = h("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                     REQUEST_LATENCY_BUCKETS)
+        self.queue = h("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
+                       REQUEST_LATENCY_BUCKETS)
+        self.inference = h("vllm:request_inference_time_seconds",
+                           "Histogram of time spent in RUNNING phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.prefill = h("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.",
+                         REQUEST_LATENCY_BUCKETS)
+        self.decode = h("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.",
+                        REQUEST_LATENCY_BUCKETS)
+        tokens = token_buckets(max_model_len)
+        self.request_prompt = h("vllm:request_prompt_tokens", "Number of prefill tokens processed.", tokens)
+        self.request_generation = h("vllm:request_generation_tokens", "Number of generation tokens processed.",
+                                    tokens)
+        self.max_tokens = h("vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.",
+                            tokens)
+        self.max_generation = h("vllm:request_max_num_generation_tokens",
+                                "Histogram of maximum number of requested generation tokens.", tokens)
+        self.n = h("vllm:request_params_n", "Histogram of the n request parameter.", N_BUCKETS)
+        self.cache_config = g("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                              ["block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching", "engine"])
+        # hybridlb's own
+        self.busy = g("hybridlb:engine_busy_seconds", "Time the engine spent stepping.")
+        self.rss = g("hybridlb:engine_resident_memory_bytes", "The engine process's resident memory.")
+        self.dummy_steps = g("hybridlb:dummy_steps", "MoE lockstep: steps run with no work.")
+        self.collective = g("hybridlb:dp_collective_seconds", "MoE lockstep: time in DP collectives.")
+        self.wave = g("hybridlb:dp_current_wave", "MoE lockstep: the current wave.", ["model_name"])
+        self.waves_completed = g("hybridlb:dp_waves_completed", "MoE lockstep: waves completed.", ["model_name"])
 
     def labels(self, rank: int) -> dict[str, str]:
         return {"model_name": self.model_name, "engine": str(rank)}
@@ -67,10 +129,14 @@ class Metrics:
     def register_engine(self, rank: int) -> None:
         """Expose every series of an engine from the start, at zero."""
         self.update_stats(EngineStats(rank, 0, 0, 0.0))
-        for metric in (self.prompt_tokens, self.generation_tokens):
+        for metric in (self.prompt_tokens, self.generation_tokens, self.preemptions):
             metric.labels(**self.labels(rank))
         for reason in ("stop", "length"):
             self.success.labels(**self.labels(rank), finished_reason=reason)
+
+    def engine_ready(self, info: EngineReady) -> None:
+        self.cache_config.labels(block_size=str(info.block_size), num_gpu_blocks=str(info.num_kv_blocks),
+                                 cache_dtype="auto", enable_prefix_caching="False", engine=str(info.rank)).set(1)
 
     def update_stats(self, stats: EngineStats) -> None:
         if self.observer is not None:
@@ -83,6 +149,15 @@ class Metrics:
         self.rss.labels(**labels).set(stats.rss_mib * 2**20)
         self.dummy_steps.labels(**labels).set(stats.dummy_steps)
         self.collective.labels(**labels).set(stats.collective_s)
+        # The engine reports its running total; count what is new since the last report
+        # (from zero again when the engine restarted).
+        epoch, counted = self._preemptions.get(stats.rank, (stats.epoch, 0))
+        if epoch != stats.epoch:
+            counted = 0
+        if stats.num_preemptions > counted:
+            self.preemptions.labels(**labels).inc(stats.num_preemptions - counted)
+            counted = stats.num_preemptions
+        self._preemptions[stats.rank] = (stats.epoch, counted)
 
     def update_waves(self, snapshot: LoadSnapshot) -> None:
         self.wave.labels(model_name=self.model_name).set(snapshot.current_wave)
@@ -93,14 +168,28 @@ class Metrics:
         if self.observer is not None:
             self.observer.first_token(rank, seconds)
 
-    def finished(self, rank: int, reason: str, e2e_s: float, prompt_tokens: int, output_tokens: int) -> None:
+    def finished(self, done: Finished) -> None:
         if self.observer is not None:
-            self.observer.finished(rank, reason)
-        labels = self.labels(rank)
-        self.success.labels(**labels, finished_reason=reason).inc()
-        self.e2e.labels(**labels).observe(e2e_s)
-        self.prompt_tokens.labels(**labels).inc(prompt_tokens)
-        self.generation_tokens.labels(**labels).inc(output_tokens)
+            self.observer.finished(done.rank, done.reason)
+        labels = self.labels(done.rank)
+        self.success.labels(**labels, finished_reason=done.reason).inc()
+        self.e2e.labels(**labels).observe(done.e2e_s)
+        self.prompt_tokens.labels(**labels).inc(done.prompt_tokens)
+        self.generation_tokens.labels(**labels).inc(done.output_tokens)
+        self.request_prompt.labels(**labels).observe(done.prompt_tokens)
+        self.request_generation.labels(**labels).observe(done.output_tokens)
+        self.n.labels(**labels).observe(1)
+        if done.max_tokens is not None:
+            self.max_tokens.labels(**labels).observe(done.max_tokens)
+            self.max_generation.labels(**labels).observe(done.max_tokens)  # one sequence per request
+        if done.ttft_s is not None and done.output_tokens > 1:
+            self.tpot.labels(**labels).observe((done.e2e_s - done.ttft_s) / (done.output_tokens - 1))
+        if done.queued_s is not None and done.prefill_s is not None and done.ttft_s is not None:
+            decode_s = max(done.e2e_s - done.ttft_s, 0.0)
+            self.queue.labels(**labels).observe(done.queued_s)
+            self.prefill.labels(**labels).observe(done.prefill_s)
+            self.decode.labels(**labels).observe(decode_s)
+            self.inference.labels(**labels).observe(done.prefill_s + decode_s)
 
     def render(self) -> bytes:
         if self.multiprocess:

@@ -16,7 +16,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from hybridlb.api.errors import APIError
 from hybridlb.model.generation_config import SAMPLING_KEYS
-from hybridlb.protocol import SamplingParams
+from hybridlb.protocol import MAX_LOGPROBS, SamplingParams
 
 MAX_PROMPTS = 1024  # prompts in one completion request (each becomes an engine request)
 MAX_STOP = 64  # stop strings per request
@@ -57,9 +57,8 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    logprobs: bool | int | None = None
+    frequency_penalty: float | None = 0.0
+    presence_penalty: float | None = 0.0
 
     def check_supported(self) -> None:
         if self.n != 1:
@@ -67,8 +66,6 @@ class _Sampling(BaseModel):
         for name in ("frequency_penalty", "presence_penalty"):
             if getattr(self, name):
                 raise APIError(400, f"{name} is not supported; leave it at 0", param=name)
-        if self.logprobs:
-            raise APIError(400, "logprobs are not supported", param="logprobs")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
         if len(self.stops) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in self.stops):
@@ -87,7 +84,7 @@ class _Sampling(BaseModel):
                                            if getattr(self, name) is not None}}
         params = SamplingParams(
             max_tokens=max_tokens, seed=self.seed, stop=self.stops, stop_token_ids=list(self.stop_token_ids or []),
-            ignore_eos=self.ignore_eos, **sampling,
+            ignore_eos=self.ignore_eos, **sampling, **self.logprob_params(),
         )
         for param, message in params.problems():
             raise APIError(400, message, param=param)
@@ -97,21 +94,35 @@ class _Sampling(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def logprob_params(self) -> dict:
+        """SamplingParams.logprobs / prompt_logprobs for what this request asks to be shown."""
+        return {}
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return bool(self.logprob_params())
+
 
 class CompletionRequest(_Sampling):
     prompt: Text | list[Text] | list[int] | list[list[int]]
     max_tokens: int | None = 16
-    echo: bool = False
+    # The top alternatives shown per token (0: only the token's own); with echo, the prompt's too.
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool | None = False
     suffix: Text | None = None
     best_of: int | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        for name in ("echo", "suffix"):
-            if getattr(self, name):
-                raise APIError(400, f"{name} is not supported", param=name)
+        if self.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
         if self.best_of not in (None, 1):
             raise APIError(400, "best_of is not supported", param="best_of")
+
+    def logprob_params(self) -> dict:
+        if self.logprobs is None:
+            return {}
+        return {"logprobs": self.logprobs, "prompt_logprobs": self.logprobs if self.echo else None}
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of this request: texts or token-id lists (OpenAI allows batches)."""
@@ -147,11 +158,21 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # Passed to the chat template as transformers passes them (tool calls in the output are
     # returned as text: there is no tool-call parser).
     tools: list[dict] | None = None
     documents: list[dict] | None = None
     chat_template_kwargs: dict | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+
+    def logprob_params(self) -> dict:
+        return {"logprobs": self.top_logprobs or 0} if self.logprobs else {}
 
     def template_arguments(self) -> dict:
         """Keyword arguments for Tokenizer.apply_chat_template."""

@@ -73,7 +73,11 @@ class EngineCore:
         if min(prompt) < 0 or max(prompt) >= self.vocab_size:
             return f"prompt token ids must be in [0, {self.vocab_size})"
         problems = params.problems()
-        return "; ".join(message for _, message in problems) if problems else None
+        if problems:
+            return "; ".join(message for _, message in problems)
+        if (params.logprobs is not None or params.prompt_logprobs is not None) and not self.runner.scores_logprobs:
+            return "this engine has no model (engine.simulate), so it has no log-probabilities; drop logprobs"
+        return None
 
     def abort(self, request_ids: list[str]) -> list[RequestOutput]:
         """Stop requests and free their KV blocks; unknown or finished ids are ignored."""
@@ -115,7 +119,13 @@ class EngineCore:
             token = next(sampled)
             request.token_ids.append(token)
             reason, stop_token = self._finish_reason(request, token)
-            outputs.append(RequestOutput(request.request_id, [token], reason, stop_token))
+            logprobs, prompt_logprobs = request.take_logprobs()
+            output = RequestOutput(request.request_id, [token], reason, stop_token, logprobs=logprobs,
+                                   prompt_logprobs=prompt_logprobs)
+            if request.num_output_tokens == 1 and request.scheduled_at is not None:
+                output.queued_s = round(request.scheduled_at - request.arrived_at, 6)
+                output.prefill_s = round(time.monotonic() - request.scheduled_at, 6)
+            outputs.append(output)
             if reason is not None:
                 self.scheduler.finish(request)
                 del self.requests[request.request_id]
@@ -137,6 +147,7 @@ class EngineCore:
             busy_s=round(self.busy_s, 3),
             steps=self.num_steps,
             rss_mib=self._resident_mib(),
+            num_preemptions=self.scheduler.num_preemptions,
         )
 
     def _resident_mib(self) -> float:

@@ -16,12 +16,14 @@ from hybridlb.model.expert_parallel import ExpertParallel, expert_range, init_gr
 from hybridlb.model.layers import MoEBlock
 from hybridlb.model.loader import load_model
 from hybridlb.model.spec import load_spec
+from hybridlb.protocol import TokenLogprobs
 
 # Fresh prompts up to this long attend through the kernel, longer ones through torch SDPA: on
 # this machine (bfloat16, 2 threads) the kernel took 2.4 ms per layer for 64 prompts of 32
 # tokens against SDPA's 3.5 ms (plus ~1.6 ms of per-call Python), but 2.0 ms for 16 x 64
 # against 1.1 ms.
 KERNEL_MAX_PROMPT = 48
+PROMPT_LOGPROBS_ROWS = 256  # prompt positions scored at once (each holds vocabulary-size floats)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -37,7 +39,17 @@ def resolve_dtype(config: EngineConfig) -> torch.dtype:
     return DTYPES[engine_dtype(config)]
 
 
+def _logprobs_at(logprobs: torch.Tensor, token: int, top: int) -> TokenLogprobs:
+    """One position's log-probabilities [vocab]: ``token``'s and the ``top`` largest."""
+    if top == 0:
+        return TokenLogprobs(token, logprobs[token].item())
+    best = logprobs.topk(top)
+    return TokenLogprobs(token, logprobs[token].item(), best.indices.tolist(), best.values.tolist())
+
+
 class ModelRunner:
+    scores_logprobs = True
+
     def __init__(self, config: EngineConfig, dp: DPContext | None = None):
         self.device = resolve_device(config)
         self.dtype = resolve_dtype(config)
@@ -91,12 +103,41 @@ class ModelRunner:
         ordered = decodes + sorted((c for c in chunks if c.num_tokens > 1), key=self._on_sdpa)
         input_ids, positions, batch, sample_rows = self._prepare(ordered, len(decodes))
         hidden = self.model(input_ids, positions, batch)
+        self._score_prompts(ordered, hidden)
         samplers = [c for c in ordered if c.samples]
         if not samplers:
             return []
         logits = self.model.logits(hidden[sample_rows])
-        tokens = dict(zip(map(id, samplers), self.sampler(logits, [c.request for c in samplers]), strict=True))
+        scored = [i for i, c in enumerate(samplers) if c.request.params.logprobs is not None]
+        # The model's log-probabilities, taken before the sampler's penalties change the logits.
+        logprobs = torch.log_softmax(logits[scored], dim=-1) if scored else None
+        sampled = self.sampler(logits, [c.request for c in samplers])
+        for row, i in enumerate(scored):
+            request = samplers[i].request
+            request.logprobs.append(_logprobs_at(logprobs[row], sampled[i], request.params.logprobs))
+        tokens = dict(zip(map(id, samplers), sampled, strict=True))
         return [tokens[id(c)] for c in chunks if c.samples]
+
+    def _score_prompts(self, chunks: list[ScheduledChunk], hidden: torch.Tensor) -> None:
+        """prompt_logprobs: the log-probability of each prompt token given the ones before it
+        (row p of a chunk predicts token p + 1), for the prompt tokens this step covers that
+        are not scored yet (a preempted request recomputes its prompt)."""
+        rows, owners = [], []
+        row = 0
+        for chunk in chunks:
+            request, start = chunk.request, chunk.request.num_computed
+            if request.prompt_logprobs is not None:
+                first = max(start, len(request.prompt_logprobs) - 1)
+                last = min(start + chunk.num_tokens, request.num_prompt_tokens - 1)
+                for position in range(first, last):
+                    rows.append(row + position - start)
+                    owners.append((request, request.token_ids[position + 1]))
+            row += chunk.num_tokens
+        for at in range(0, len(rows), PROMPT_LOGPROBS_ROWS):
+            logits = self.model.logits(hidden[self._tensor(rows[at : at + PROMPT_LOGPROBS_ROWS])])
+            batch = owners[at : at + PROMPT_LOGPROBS_ROWS]
+            for logprobs, (request, token) in zip(torch.log_softmax(logits, dim=-1), batch, strict=True):
+                request.prompt_logprobs.append(_logprobs_at(logprobs, token, request.params.prompt_logprobs))
 
     def _prepare(self, chunks: list[ScheduledChunk], num_decodes: int):
         ids, positions, slots, sample_rows, prefills = [], [], [], [], []

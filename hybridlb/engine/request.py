@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import enum
+import time
 from typing import TYPE_CHECKING
 
-from hybridlb.protocol import SamplingParams
+from hybridlb.protocol import SamplingParams, TokenLogprobs
 
 if TYPE_CHECKING:  # a simulated engine never loads torch (start-up time and memory per process)
     import torch
@@ -37,6 +38,13 @@ class Request:
         self.block_ids: list[int] = []
         self.status = Status.WAITING
         self.stop_ids = set(params.stop_token_ids)
+        self.arrived_at = time.monotonic()
+        self.scheduled_at: float | None = None  # first admitted to the running batch
+        # Filled by the model runner: sampled tokens' log-probabilities not yet sent, and the
+        # prompt's (position 0 has none), sent whole with the first output.
+        self.logprobs: list[TokenLogprobs] = []
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = None if params.prompt_logprobs is None else [None]
+        self.prompt_logprobs_sent = False
 
     @property
     def num_tokens(self) -> int:
@@ -49,6 +57,16 @@ class Request:
     @property
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed
+
+    def take_logprobs(self) -> tuple[list[TokenLogprobs] | None, list[TokenLogprobs | None] | None]:
+        """What the next output carries: the new tokens' log-probabilities, and the prompt's once."""
+        new = None
+        if self.params.logprobs is not None:
+            new, self.logprobs = self.logprobs, []
+        prompt = None
+        if self.prompt_logprobs is not None and not self.prompt_logprobs_sent:
+            prompt, self.prompt_logprobs_sent = self.prompt_logprobs, True
+        return new, prompt
 
     def reset_for_recompute(self) -> None:
         """Preempted: the KV cache is gone; prompt and outputs so far are recomputed later."""

@@ -11,6 +11,7 @@ to be recomputed from its tokens so far.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -81,6 +82,8 @@ class Scheduler:
             self.waiting.popleft()
             self.blocks.allocate(request, num_tokens)
             request.status = Status.RUNNING
+            if request.scheduled_at is None:
+                request.scheduled_at = time.monotonic()
             self.running.append(request)
             chunks.append(ScheduledChunk(request, num_tokens))
             budget -= num_tokens

@@ -47,6 +47,8 @@ class SimulatedRunner:
                 f"sequence of max_model_len={self.max_model_len}; raise kv_cache_gib / num_kv_blocks"
             )
 
+    scores_logprobs = False  # there is no model to ask
+
     def run(self, chunks: list[ScheduledChunk]) -> list[int]:
         """One token per chunk that completes its request's known tokens, after the step time."""
         deadline = time.perf_counter() + self.step_s + self.per_token_s * sum(c.num_tokens for c in chunks)

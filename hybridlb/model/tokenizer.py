@@ -76,6 +76,7 @@ class Tokenizer:
         self.eos_token = self.config.get("eos_token")
         self.bos_token = self.config.get("bos_token")
         template = chat_template or self.config.get("chat_template")
+        self.chat_template_text: str | None = template
         specials = {name: self.config.get(name) for name in SPECIAL_TOKEN_NAMES}
         self.chat_template = ChatTemplate(template, specials) if template else None
         self.eos_token_ids = read_eos_token_ids(model)

@@ -17,7 +17,7 @@ BAD_COMPLETIONS = [
     ({"max_tokens": 500, "prompt": "word " * 100}, "max_tokens"),
     ({"prompt": [99999]}, "prompt"),
     ({"prompt": []}, "prompt"),
-    ({"logprobs": 3}, "logprobs"),
+    ({"logprobs": 21}, "logprobs"),  # more alternatives than MAX_LOGPROBS
     ({"presence_penalty": 0.5}, "presence_penalty"),
 ]
 

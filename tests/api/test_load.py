@@ -21,8 +21,8 @@ def metric(url: str, name: str, engine: int = 0) -> float:
 def wait_idle(url: str, timeout_s: float = 10) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if (metric(url, "hybridlb:num_requests_running") == 0 and metric(url, "hybridlb:num_requests_waiting") == 0
-                and metric(url, "hybridlb:kv_cache_usage_perc") == 0):
+        if (metric(url, "vllm:num_requests_running") == 0 and metric(url, "vllm:num_requests_waiting") == 0
+                and metric(url, "vllm:kv_cache_usage_perc") == 0):
             return
         time.sleep(0.2)
     raise AssertionError("the engine still holds requests or KV blocks")
@@ -46,11 +46,11 @@ def test_200_concurrent_streams_all_succeed(server):
         async with httpx.AsyncClient(base_url=server.url, limits=limits, timeout=120) as client:
             return await asyncio.gather(*(one(client, i) for i in range(200)))
 
-    before = metric(server.url, 'hybridlb:request_success_total')
+    before = metric(server.url, 'vllm:request_success_total')
     results = asyncio.run(main())
     assert [status for status, _, _ in results] == [200] * 200
     assert all(reasons == ["length"] for _, reasons, _ in results)
-    assert metric(server.url, 'hybridlb:request_success_total') - before == 200
+    assert metric(server.url, 'vllm:request_success_total') - before == 200
     wait_idle(server.url)
 
 
@@ -71,10 +71,10 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
     async def main():
         await asyncio.gather(*(hang_up(streaming=i % 2 == 0) for i in range(6)))
 
-    completed_before = metric(server.url, "hybridlb:request_success_total")
+    completed_before = metric(server.url, "vllm:request_success_total")
     asyncio.run(main())
     wait_idle(server.url)
     # 480 tokens each would take several seconds: had they not been aborted, they would
     # have been counted as completed by now.
     time.sleep(1)
-    assert metric(server.url, "hybridlb:request_success_total") == completed_before
+    assert metric(server.url, "vllm:request_success_total") == completed_before

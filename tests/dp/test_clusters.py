@@ -22,7 +22,7 @@ def served_per_engine(url: str) -> dict[int, float]:
     """Finished requests per engine, read from /metrics alone."""
     text = httpx.get(f"{url}/metrics").text
     counts: dict[int, float] = {}
-    for engine, value in re.findall(r'^hybridlb:request_success_total\{[^}]*engine="(\d+)"[^}]*\} (\S+)$',
+    for engine, value in re.findall(r'^vllm:request_success_total\{[^}]*engine="(\d+)"[^}]*\} (\S+)$',
                                     text, re.M):
         counts[int(engine)] = counts.get(int(engine), 0) + float(value)
     return counts
@@ -31,7 +31,7 @@ def served_per_engine(url: str) -> dict[int, float]:
 def generated_per_engine(url: str) -> dict[int, float]:
     text = httpx.get(f"{url}/metrics").text
     return {int(e): float(v) for e, v in
-            re.findall(r'^hybridlb:generation_tokens_total\{[^}]*engine="(\d+)"[^}]*\} (\S+)$', text, re.M)}
+            re.findall(r'^vllm:generation_tokens_total\{[^}]*engine="(\d+)"[^}]*\} (\S+)$', text, re.M)}
 
 
 async def _burst(urls: list[str], model: str, count: int, prompts=None, max_tokens=None) -> list[int]:

@@ -73,3 +73,96 @@ def test_each_engine_reports_its_resident_memory(client, smollm2_server):
     assert 500 * 2**20 < metric(smollm2_server.url, "hybridlb:engine_resident_memory_bytes") < 3000 * 2**20
     table, _ = describe(smollm2_server.url)
     assert table.splitlines()[1].split()[-1] == "MiB" and int(table.splitlines()[2].split()[-1]) > 500
+
+
+def _log_softmax(model, ids: list[int]):
+    import torch
+
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def test_lm_eval_loglikelihood_request_gets_transformers_logprobs(smollm2_server, smollm2_transformers):
+    """The body lm-evaluation-harness `local-completions` sends for every loglikelihood request,
+    read the way it reads it: echo shows the prompt's log-probabilities, None first, then the one
+    generated token; sum over the continuation equals transformers' within 1e-4 per token."""
+    model, tokenizer = smollm2_transformers
+    context, continuation = tokenizer.encode("The capital of France is"), tokenizer.encode(" Paris, a city")
+    prompts = [context + continuation, tokenizer.encode(PROMPTS[1])]
+    body = {"model": "smollm2", "prompt": prompts, "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234,
+            "echo": True}
+    out = httpx.post(f"{smollm2_server.url}/v1/completions", json=body, timeout=60).json()
+    choices = sorted(out["choices"], key=lambda c: c["index"])
+    for ids, choice in zip(prompts, choices, strict=True):
+        logprobs = choice["logprobs"]
+        assert len(logprobs["token_logprobs"]) == len(ids) + 1 and logprobs["token_logprobs"][0] is None
+        assert logprobs["top_logprobs"][0] is None and all(len(t) >= 1 for t in logprobs["top_logprobs"][1:])
+        expected = _log_softmax(model, ids)
+        for position in range(1, len(ids)):
+            assert abs(logprobs["token_logprobs"][position] - expected[position - 1, ids[position]].item()) < 1e-4
+    ctxlen = len(context)
+    logprobs = choices[0]["logprobs"]
+    ours = sum(logprobs["token_logprobs"][ctxlen:-1])
+    expected = _log_softmax(model, prompts[0])
+    want = sum(expected[p - 1, prompts[0][p]].item() for p in range(ctxlen, len(prompts[0])))
+    assert abs(ours - want) < 1e-3
+    greedy = all(tok == max(top.values()) for tok, top in
+                 zip(logprobs["token_logprobs"][ctxlen:-1], logprobs["top_logprobs"][ctxlen:-1], strict=True))
+    assert greedy == all(expected[p - 1].argmax().item() == prompts[0][p] for p in range(ctxlen, len(prompts[0])))
+    assert choices[0]["text"].startswith("The capital of France is Paris, a city")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_logprobs_are_the_sampled_tokens_and_their_alternatives(client, smollm2_transformers, stream):
+    model, tokenizer = smollm2_transformers
+    # 5 tokens: "The capital of France is", no end-of-turn token (whose text the content leaves out)
+    args = dict(model="smollm2", messages=CAPITAL, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3)
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, **args))
+        content = [entry for c in chunks if c.choices and c.choices[0].logprobs for entry in c.choices[0].logprobs.content]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content
+    else:
+        out = client.chat.completions.create(**args)
+        content, text = out.choices[0].logprobs.content, out.choices[0].message.content
+    assert "".join(entry.token for entry in content) == text and len(content) == 5
+    prompt = list(tokenizer.apply_chat_template(CAPITAL, add_generation_prompt=True, tokenize=True, return_dict=False))
+    ids = prompt + reference_greedy(model, [prompt], 5)[0]
+    expected = _log_softmax(model, ids)
+    for i, entry in enumerate(content):
+        row = expected[len(prompt) - 1 + i]
+        assert abs(entry.logprob - row.max().item()) < 1e-4  # greedy: the top token's
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(row.topk(3).values.tolist(), abs=1e-4)
+        assert entry.top_logprobs[0].token == entry.token and entry.bytes == list(entry.token.encode())
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("completions", {"prompt": "Hi", "logprobs": 21}, "logprobs"),
+    ("chat/completions", {"messages": CAPITAL, "top_logprobs": 2}, "top_logprobs"),
+    ("chat/completions", {"messages": CAPITAL, "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+])
+def test_out_of_range_logprobs_get_a_400_naming_the_field(smollm2_server, path, body, param):
+    response = httpx.post(f"{smollm2_server.url}/v1/{path}", json={"model": "smollm2", **body}, timeout=30)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert param in (error.get("param") or "") + error["message"]
+
+
+def test_tokenizer_endpoints_answer_as_lm_eval_reads_them(smollm2_server, smollm2_transformers):
+    """What lm-evaluation-harness's remote tokenizer calls, against transformers' tokenizer."""
+    url, tokenizer = smollm2_server.url, smollm2_transformers[1]
+    info = httpx.get(f"{url}/tokenizer_info").json()
+    assert info["eos_token"] == tokenizer.eos_token and "im_start" in info["chat_template"]
+    plain = httpx.post(f"{url}/tokenize", json={"prompt": "test Zürich", "add_special_tokens": False}).json()
+    assert plain["tokens"] == tokenizer.encode("test Zürich", add_special_tokens=False)
+    assert plain["count"] == len(plain["tokens"]) and plain["max_model_len"] > 0
+    chat = httpx.post(f"{url}/tokenize", json={"model": "smollm2", "messages": CAPITAL}).json()
+    assert chat["tokens"] == list(tokenizer.apply_chat_template(CAPITAL, add_generation_prompt=True, tokenize=True,
+                                                                return_dict=False))
+    ids = tokenizer.encode(PROMPTS[4])
+    assert httpx.post(f"{url}/detokenize", json={"tokens": ids}).json()["prompt"] == tokenizer.decode(ids)
+    bad = httpx.post(f"{url}/detokenize", json={"tokens": [10**9]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    neither = httpx.post(f"{url}/tokenize", json={"model": "smollm2"})
+    assert neither.status_code == 400 and "prompt and messages" in neither.json()["error"]["message"]
+    assert httpx.get(f"{url}/ping").status_code == 200

@@ -52,6 +52,31 @@ def test_long_prompts_whole_and_chunked_equal_transformers(smollm2_transformers)
         assert [o.token_ids for o in llm.generate(prompts, params)] == expected, f"budget {budget}"
 
 
+def test_logprobs_equal_transformers_log_softmax(smollm2_transformers):
+    """Sampled-token, top-k and prompt log-probabilities (float32) are transformers' log_softmax
+    of the same logits within 1e-4, whether the prompt is prefilled whole or in chunks."""
+    import torch
+
+    model, tokenizer = smollm2_transformers
+    prompt = tokenizer.encode(PROMPTS[1])
+    params = SamplingParams(max_tokens=8, temperature=0.8, seed=3, ignore_eos=True, logprobs=5, prompt_logprobs=3)
+    for budget in (2048, 16):
+        llm = LLM(SMOLLM2, max_model_len=512, num_kv_blocks=64, dtype="float32", max_num_batched_tokens=budget)
+        out = llm.generate([prompt], params)[0]
+        with torch.no_grad():
+            expected = torch.log_softmax(model(torch.tensor([prompt + out.token_ids])).logits[0].float(), dim=-1)
+        scored = [(len(prompt) - 1 + i, lp, 5) for i, lp in enumerate(out.logprobs)]
+        scored += [(p - 1, lp, 3) for p, lp in enumerate(out.prompt_logprobs) if p > 0]
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+        assert [lp.token_id for lp in out.logprobs] == out.token_ids
+        assert [lp.token_id for lp in out.prompt_logprobs[1:]] == prompt[1:]
+        for row, lp, k in scored:
+            want = expected[row].topk(k)
+            assert abs(lp.logprob - expected[row, lp.token_id].item()) < 1e-4, (budget, row)
+            assert lp.top_ids == want.indices.tolist(), (budget, row)
+            assert max(abs(a - b) for a, b in zip(lp.top_logprobs, want.values.tolist(), strict=True)) < 1e-4
+
+
 def test_tokenizer_and_chat_template_equal_transformers(real_model, smollm2_transformers):
     _, theirs = smollm2_transformers
     ours = Tokenizer(real_model)
