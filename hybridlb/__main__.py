@@ -1,3 +1,5 @@
-from hybridlb.cli import app
 
-app()
+
+from hybridlb.cli import main
+
+main()

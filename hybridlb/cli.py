@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 
+from hybridlb import vllm_args
 from hybridlb.bench.cli import bench_app
 from hybridlb.cli_common import (
     ApiServers,
@@ -184,7 +185,9 @@ def serve(
     config: Annotated[Path | None, typer.Option(help="YAML config; flags override it.")] = None,
     host: Annotated[str | None, typer.Option(help="HTTP interface (default 127.0.0.1).")] = None,
     port: Annotated[int | None, typer.Option(help="HTTP port (default 8000).")] = None,
-    served_model_name: Annotated[str | None, typer.Option(help="Name clients use (default: --model as given).")] = None,
+    served_model_name: Annotated[list[str] | None, typer.Option(
+        help="Name clients use (default: --model as given); repeat it, or list several after it as vLLM does, "
+             "to answer to several.")] = None,
     api_key: Annotated[str | None, typer.Option(help="Require 'Authorization: Bearer KEY' on /v1.")] = None,
     max_concurrent_requests: Annotated[int | None, typer.Option(
         help="Requests each API server works on at once; more get 429 (default 4096, 0: no limit).")] = None,
@@ -196,6 +199,8 @@ def serve(
     max_num_seqs: Annotated[int | None, typer.Option()] = None,
     max_num_batched_tokens: Annotated[int | None, typer.Option()] = None,
     kv_cache_gib: Annotated[float | None, typer.Option()] = None,
+    gpu_memory_utilization: Annotated[float | None, typer.Option(
+        help="CUDA: size the KV cache to fill this fraction of GPU memory (instead of --kv-cache-gib).")] = None,
     block_size: Annotated[int | None, typer.Option()] = None,
     device: Annotated[str | None, typer.Option(help="cpu or cuda.")] = None,
     dtype: Annotated[str | None, typer.Option(help="auto, float32, bfloat16 or float16.")] = None,
@@ -224,8 +229,17 @@ def serve(
     cluster_token: ClusterToken = None,
     restart_policy: Annotated[str | None, typer.Option(
         help="none (default): report a dead part and serve on; restart: bring it back in place.")] = None,
+    dry_run: Annotated[bool, typer.Option(
+        "--dry-run", help="Check the command and print the cluster plan and this node's part; start nothing.")] = False,
 ):
-    """Serve the OpenAI API from this node: its engines and API servers, no Ray."""
+    """Serve the OpenAI API from this node: its engines and API servers, no Ray.
+
+    vLLM's spelling works too: `hybridlb serve MODEL -dp 4 -dpl 2 --data-parallel-hybrid-lb
+    --max_model_len 32k --dtype half ...` (short forms -dp -dpl -dpr -dpn -dpa -dpp -dph -dpe -ep,
+    underscores, --data-parallel-hybrid-lb / --data-parallel-external-lb for --lb-mode,
+    --api-server-count, k/K length suffixes, several --served-model-name names, VLLM_API_KEY).
+    A vLLM flag hybridlb does not implement is an error saying what to do instead.
+    """
     from hybridlb.launch.serve import serve as serve_node
 
     parallel = _parallel_overrides(data_parallel_size, data_parallel_size_local, data_parallel_start_rank,
@@ -236,10 +250,11 @@ def serve(
     cfg = build_config(config, model, {
         "engine": dict(max_model_len=max_model_len, max_num_seqs=max_num_seqs, device=device, dtype=dtype,
                        max_num_batched_tokens=max_num_batched_tokens, kv_cache_gib=kv_cache_gib,
+                       gpu_memory_utilization=gpu_memory_utilization,
                        block_size=block_size, seed=seed, torch_threads=torch_threads,
                        expert_parallel=enable_expert_parallel, async_dp_coordination=async_dp_coordination,
                        simulate=_simulate(simulate_step_ms, simulate_per_token_ms)),
-        "api": dict(host=host, port=port, served_model_name=served_model_name, api_key=api_key,
+        "api": dict(host=host, port=port, served_model_name=_names(served_model_name), api_key=api_key,
                     max_concurrent_requests=max_concurrent_requests, chat_template=chat_template,
                     generation_config=generation_config),
         **parallel,
@@ -251,7 +266,20 @@ def serve(
         typer.secho(f"warning: SIMULATED engines ({cfg.engine.simulate.step_ms:g} ms per step, no model "
                     "loaded): for control-plane benchmarks only", fg=typer.colors.YELLOW, err=True)
     plan, node = _plan(cfg)
+    if dry_run:
+        from hybridlb.plan import format_plan
+
+        typer.echo(format_plan(plan))
+        servers = ", ".join(f"{a.name}@{a.host}:{a.port}→{list(a.ranks)}" for a in node.api_servers) or "none"
+        typer.echo(f"this node: {node.index}, ranks {list(node.ranks)}, "
+                   f"{'headless' if node.headless else 'API servers ' + servers}; "
+                   f"model {cfg.served_model_names}, dtype {cfg.engine.dtype}, max_model_len {cfg.engine.max_model_len}")
+        raise typer.Exit(0)
     raise typer.Exit(serve_node(cfg, plan, node))
+
+
+def _names(names: list[str] | None) -> str | list[str] | None:
+    return names[0] if names and len(names) == 1 else names or None
 
 
 def _simulate(step_ms: float | None, per_token_ms: float | None) -> dict | None:
@@ -390,5 +418,20 @@ def render_k8s(
         typer.echo(f"wrote {out}")
 
 
-if __name__ == "__main__":
+def main() -> None:
+    """The ``hybridlb`` command: ``serve`` also takes ``vllm serve``'s spelling (see vllm_args)."""
+    args = sys.argv[1:]
+    if args[:1] == ["serve"] and not {"-h", "--help"} & set(args):
+        try:
+            translated, notes = vllm_args.translate(args[1:])
+        except vllm_args.FlagError as exc:
+            typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+            raise SystemExit(2) from None
+        for note in notes:
+            typer.secho(f"note: {note}", err=True)
+        sys.argv[1:] = ["serve", *translated]
     app()
+
+
+if __name__ == "__main__":
+    main()

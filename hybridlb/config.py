@@ -61,7 +61,12 @@ class EngineConfig(_Section):
         None, ge=2, description="Longest prompt plus output; defaults to the checkpoint's max positions."
     )
     block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV-cache block.")
-    kv_cache_gib: float = Field(0.5, gt=0, description="Memory given to the KV cache, in GiB.")
+    kv_cache_gib: float = Field(0.5, gt=0, description="Memory given to the KV cache, in GiB (CPU; on CUDA "
+                                "unless gpu_memory_utilization is set).")
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0, le=1, description="CUDA: size the KV cache to fill this fraction of the GPU's memory, "
+        "after the weights and a forward pass's activations (vLLM's --gpu-memory-utilization)."
+    )
     num_kv_blocks: int | None = Field(
         None, ge=1, description="Exact number of KV blocks; overrides kv_cache_gib (tests use it)."
     )
@@ -111,12 +116,13 @@ class ApiConfig(_Section):
 
     host: str = Field("127.0.0.1", description="Interface to listen on; 0.0.0.0 for all (loopback by default).")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port.")
-    served_model_name: str | None = Field(
-        None, description="Model name clients send; defaults to engine.model exactly as given."
+    served_model_name: str | list[str] | None = Field(
+        None, description="Model name clients send, or several (the first names the metrics); defaults to "
+        "engine.model exactly as given."
     )
     api_key: str | None = Field(
         None, description="Bearer token required on every route but /health, /load, /metrics and /version "
-        "(also read from HYBRIDLB_API_KEY)."
+        "(also read from HYBRIDLB_API_KEY, then VLLM_API_KEY)."
     )
     max_body_bytes: int = Field(8 * 2**20, ge=1024, description="Larger request bodies get 413.")
     max_concurrent_requests: int = Field(
@@ -231,8 +237,16 @@ class Config(_Section):
     ray: RayConfig = Field(default_factory=RayConfig, description="Placement on Ray (hybridlb up).")
 
     @property
+    def served_model_names(self) -> list[str]:
+        names = self.api.served_model_name
+        if not names:
+            return [self.engine.model]
+        return [names] if isinstance(names, str) else list(names)
+
+    @property
     def served_model_name(self) -> str:
-        return self.api.served_model_name or self.engine.model
+        """The first served name: the one metrics and logs use."""
+        return self.served_model_names[0]
 
 
 def _describe(error: ValidationError) -> str:

@@ -56,3 +56,72 @@ def test_generate_takes_a_gguf_model_and_the_default_config():
         assert run.returncode == 0, run.stderr
         assert json.loads(run.stdout)["token_ids"] == expected.token_ids
     assert "Paris" in expected.text
+
+
+# vLLM's own data-parallel deployment commands (its docs) and llm-d's wide-EP pod command,
+# in vLLM's spelling, checked with --dry-run (what this node would start).
+VLLM_HEAD = ["-dp", "4", "-dpl", "2", "-dpa", "10.99.48.128", "-dpp", "13345"]
+VLLM_WORKER = ["--headless", "--data-parallel-size", "4", "--data-parallel-size-local", "2",
+               "--data-parallel-start-rank", "2", "--data-parallel-address", "10.99.48.128",
+               "--data-parallel-rpc-port", "13345"]
+LLM_D_WIDE_EP = ["--port", "8200", "--disable-log-requests", "--disable-uvicorn-access-log", "--enable-expert-parallel",
+                 "--data-parallel-hybrid-lb", "--tensor-parallel-size", "1", "--data-parallel-size", "4",
+                 "--data-parallel-size-local", "2", "--data-parallel-address", "leader.lws", "--data-parallel-rpc-port",
+                 "5555", "--data-parallel-start-rank", "2", "--trust-remote-code", "--kv_transfer_config",
+                 '{"kv_connector":"NixlConnector","kv_role":"kv_both"}', "--async-scheduling", "--enable-dbo",
+                 "--dbo-decode-token-threshold", "32", "--enable-eplb", "--eplb-config", '{"window_size":"1000"}',
+                 "--compilation_config", '{"cudagraph_mode":"FULL_DECODE_ONLY"}', "--kv-events-config", "{}"]
+NOT_IMPLEMENTED = ["--kv-transfer-config", "--async-scheduling", "--enable-dbo", "--dbo-decode-token-threshold",
+                   "--enable-eplb", "--eplb-config", "--compilation-config", "--kv-events-config"]
+
+
+def test_vllm_data_parallel_commands_run_as_vllm_documents_them(checkpoints):
+    model = checkpoints("qwen3")
+    head = _hybridlb("serve", model, *VLLM_HEAD, "--dry-run")
+    assert head.returncode == 0, head.stderr
+    assert "this node: 0, ranks [0, 1], API servers api:0@" in head.stdout and "size 4" in head.stdout
+    assert "vLLM would run internal LB" in head.stderr  # the one default that differs is said, not hidden
+    worker = _hybridlb("serve", model, *VLLM_WORKER, "--dry-run")
+    assert worker.returncode != 0 and "--lb-mode internal" in worker.stderr
+    internal = _hybridlb("serve", model, *VLLM_WORKER, "--lb-mode", "internal", "--dry-run")
+    assert internal.returncode == 0, internal.stderr
+    assert "this node: 1, ranks [2, 3], headless" in internal.stdout and "mode: internal" in internal.stdout
+    hybrid = _hybridlb("serve", model, *VLLM_WORKER[1:], "-dph", "--dry-run")
+    assert hybrid.returncode == 0 and "this node: 1, ranks [2, 3], API servers api:1@" in hybrid.stdout, hybrid.stderr
+    external = _hybridlb("serve", model, "--data-parallel-size", "2", "--data-parallel-rank", "1",
+                         "--data-parallel-external-lb", "--port", "8001", "--dry-run")
+    assert external.returncode == 0, external.stderr
+    assert "mode: external" in external.stdout and "ranks [1], API servers api:1.0@127.0.0.1:8001" in external.stdout
+
+
+def test_llm_d_wide_ep_command_names_each_flag_it_cannot_honour(checkpoints):
+    model = checkpoints("qwen3_moe")
+    run = _hybridlb("serve", model, *LLM_D_WIDE_EP, "--dry-run")
+    assert run.returncode == 2
+    for flag in NOT_IMPLEMENTED:
+        assert flag in run.stderr, flag
+    assert "drop the flag" in run.stderr and "--trust-remote-code" not in run.stderr.split("error:")[1]
+    kept, skip = [], 0
+    for arg in LLM_D_WIDE_EP:  # what is left once the unimplemented flags are dropped
+        if skip:
+            skip -= 1
+        elif arg.replace("_", "-") in NOT_IMPLEMENTED:
+            skip = 0 if arg in ("--async-scheduling", "--enable-dbo", "--enable-eplb") else 1
+        else:
+            kept.append(arg)
+    run = _hybridlb("serve", model, *kept, "--dry-run")
+    assert run.returncode == 0, run.stderr
+    assert "this node: 1, ranks [2, 3], API servers api:1@127.0.0.1:8200" in run.stdout
+    assert "experts sharded over 4 ranks stepping in lockstep" in run.stdout and "mode: hybrid" in run.stdout
+
+
+def test_vllm_spellings_of_lengths_dtypes_and_names(checkpoints):
+    run = _hybridlb("serve", checkpoints("qwen3"), "--max_model_len", "1K", "--dtype", "half", "--served-model-name",
+                    "first", "second", "--enforce-eager", "-tp", "1", "--dry-run")
+    assert run.returncode == 0, run.stderr
+    assert "max_model_len 1024" in run.stdout and "dtype float16" in run.stdout
+    assert "model ['first', 'second']" in run.stdout and "--enforce-eager has no effect" in run.stderr
+    bad = _hybridlb("serve", checkpoints("qwen3"), "--max-model-len", "lots", "-tp", "2", "--dtype", "fp8")
+    assert bad.returncode == 2
+    assert "--max-model-len lots: not a token count" in bad.stderr and "--tensor-parallel-size 2" in bad.stderr
+    assert "--dtype fp8: use one of" in bad.stderr

@@ -198,14 +198,17 @@ def create_app(config: Config, spec: ApiServerSpec, on_ready: Callable[[], None]
 
     app = FastAPI(title="hybridlb", version=__version__, lifespan=lifespan)
     install_error_handlers(app)
-    api_key = config.api.api_key or os.environ.get("HYBRIDLB_API_KEY")
+    api_key = config.api.api_key or os.environ.get("HYBRIDLB_API_KEY") or os.environ.get("VLLM_API_KEY")
     app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=config.api.max_body_bytes,
                        max_concurrent=config.api.max_concurrent_requests)
 
+    names = config.served_model_names
+
     def frontend_for(model: str | None) -> Frontend:
         """The frontend, for a request naming ``model`` (None: a tokenizer call that names none)."""
-        if model is not None and model != name:
-            raise APIError(404, f"the model `{model}` does not exist; this server serves `{name}`",
+        if model is not None and model not in names:
+            served = ", ".join(f"`{n}`" for n in names)
+            raise APIError(404, f"the model `{model}` does not exist; this server serves {served}",
                            param="model", code="model_not_found")
         frontend = state["frontend"]
         if not frontend.started:
@@ -238,11 +241,12 @@ def create_app(config: Config, spec: ApiServerSpec, on_ready: Callable[[], None]
     async def models():
         frontend = state["frontend"]
         limit = frontend.max_model_len if frontend.started else None
-        card = {"id": name, "object": "model", "created": int(time.time()), "owned_by": "hybridlb",
-                "root": config.engine.model, "max_model_len": limit}
+        cards = [{"id": served, "object": "model", "created": int(time.time()), "owned_by": "hybridlb",
+                  "root": config.engine.model, "max_model_len": limit} for served in names]
         if config.engine.simulate is not None:  # never let a benchmark pass for the model's speed
-            card["simulated"] = f"SIMULATED engines: {config.engine.simulate.step_ms:g} ms per step, no model"
-        return {"object": "list", "data": [card]}
+            for card in cards:
+                card["simulated"] = f"SIMULATED engines: {config.engine.simulate.step_ms:g} ms per step, no model"
+        return {"object": "list", "data": cards}
 
     @app.get("/health")
     async def health():

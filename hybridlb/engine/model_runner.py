@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from hybridlb.config import EngineConfig
@@ -24,6 +26,7 @@ from hybridlb.protocol import TokenLogprobs
 # against 1.1 ms.
 KERNEL_MAX_PROMPT = 48
 PROMPT_LOGPROBS_ROWS = 256  # prompt positions scored at once (each holds vocabulary-size floats)
+log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -71,7 +74,7 @@ class ModelRunner:
         self.kernels = kernels.load() if fits else None
         if self.kernels is not None:
             self.model.use_cpu_kernels(self.kernels, pack_linears=self.dtype == torch.bfloat16)
-        self.num_blocks = config.num_kv_blocks or self._blocks_for(config.kv_cache_gib)
+        self.num_blocks = config.num_kv_blocks or self._size_cache(config)
         if self.num_blocks * self.block_size < self.max_model_len:
             raise ValueError(
                 f"the KV cache ({self.num_blocks} blocks of {self.block_size}) cannot hold one sequence of "
@@ -86,6 +89,31 @@ class ModelRunner:
 
     def _blocks_for(self, gib: float) -> int:
         return max(1, int(gib * 2**30) // self._bytes_per_block())
+
+    def _size_cache(self, config: EngineConfig) -> int:
+        """KV blocks: kv_cache_gib of memory, or on CUDA with gpu_memory_utilization, what fills
+        that fraction of the GPU once the weights (already loaded) and the activations of the
+        largest step are set aside."""
+        fraction = config.gpu_memory_utilization
+        if fraction is None:
+            return self._blocks_for(config.kv_cache_gib)
+        if self.device.type != "cuda":
+            log.warning("gpu_memory_utilization applies on CUDA; on CPU kv_cache_gib (%g GiB) sizes the KV cache",
+                        config.kv_cache_gib)
+            return self._blocks_for(config.kv_cache_gib)
+        free, total = torch.cuda.mem_get_info(self.device)
+        spec = self.spec
+        # The largest step's activations: its hidden states, MLP input and output in float32
+        # (a bound, not a measurement), and the sampled rows' float32 logits.
+        width = 2 * spec.hidden_size + 3 * max(spec.intermediate_size, spec.moe_intermediate_size or 0)
+        activations = config.max_num_batched_tokens * width * 4 + config.max_num_seqs * spec.vocab_size * 8
+        budget = fraction * total - (total - free) - activations
+        if budget < self._bytes_per_block():
+            raise ValueError(
+                f"gpu_memory_utilization={fraction} leaves no room for the KV cache: the GPU has "
+                f"{total / 2**30:.1f} GiB, {(total - free) / 2**30:.1f} GiB are in use (weights, other processes) "
+                f"and a step needs ~{activations / 2**30:.1f} GiB; raise it, or lower max_num_batched_tokens")
+        return int(budget) // self._bytes_per_block()
 
     def _allocate_cache(self) -> None:
         for attention in self.model.attention_layers():

@@ -161,3 +161,24 @@ def test_no_prompts_or_keys_in_the_logs(server):
     assert "hybridlb is ready" in server.output and "Traceback" not in server.output
     for secret in (PROMPT, "zebra", KEY, KEY[3:]):
         assert secret not in server.output, f"{secret!r} in the logs:\n{server.output}"
+
+
+def test_vllm_api_key_guards_the_server_and_each_served_name_answers(tiny_qwen3, monkeypatch):
+    """A migrating user's `VLLM_API_KEY` keeps the server closed; `--served-model-name a b` (vLLM's
+    several names after one flag) makes both names work, the first naming the metrics."""
+    monkeypatch.setenv("VLLM_API_KEY", "vllm-secret")
+    server = start_server(tiny_qwen3, "--served-model-name", "alpha", "beta")
+    try:
+        assert httpx.get(f"{server.url}/v1/models").status_code == 401
+        headers = {"Authorization": "Bearer vllm-secret"}
+        models = httpx.get(f"{server.url}/v1/models", headers=headers).json()
+        assert [card["id"] for card in models["data"]] == ["alpha", "beta"]
+        for name in ("alpha", "beta"):
+            body = {"model": name, "prompt": "GPU", "max_tokens": 2}
+            response = httpx.post(f"{server.url}/v1/completions", json=body, headers=headers, timeout=60)
+            assert response.status_code == 200 and response.json()["model"] == name
+        wrong = httpx.post(f"{server.url}/v1/completions", json={"model": "gamma", "prompt": "x"}, headers=headers)
+        assert wrong.status_code == 404 and "`alpha`, `beta`" in wrong.json()["error"]["message"]
+        assert 'model_name="alpha"' in httpx.get(f"{server.url}/metrics").text
+    finally:
+        server.stop()
