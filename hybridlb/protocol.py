@@ -89,6 +89,7 @@ import msgspec
 
 FinishReason = str  # "stop" | "length" | "abort" | "error"
 MAX_LOGPROBS = 20  # most alternatives a request may ask for per position (vLLM's default)
+MAX_LOGIT_BIAS = 1024  # token ids one request may bias
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True):
@@ -108,6 +109,12 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
     ignore_eos: bool = False
     repetition_penalty: float = 1.0  # > 1 discourages tokens already in the prompt or output
+    # OpenAI's: subtract presence_penalty from the logit of every token already generated, and
+    # frequency_penalty times the number of times it was (output tokens only, as vLLM).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one
+    logit_bias: dict[int, float] = msgspec.field(default_factory=dict)  # token id -> added to its logit
     # Log-probabilities (the model's own, before penalties and temperature) of each sampled
     # token with this many most likely alternatives; prompt_logprobs the same for every prompt
     # token after the first. None: not computed.
@@ -135,6 +142,16 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
             found.append(("stop", "stop strings must not be empty"))
         if any(t < 0 for t in self.stop_token_ids):
             found.append(("stop_token_ids", "stop_token_ids must be non-negative"))
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                found.append((name, f"{name} must be in [-2, 2], got {getattr(self, name)}"))
+        if not 0 <= self.min_p <= 1:
+            found.append(("min_p", f"min_p must be in [0, 1], got {self.min_p}"))
+        if len(self.logit_bias) > MAX_LOGIT_BIAS or any(not -100 <= b <= 100 for b in self.logit_bias.values()):
+            found.append(("logit_bias", f"logit_bias takes at most {MAX_LOGIT_BIAS} token ids, each biased by a "
+                                        "value in [-100, 100]"))
+        if any(t < 0 for t in self.logit_bias):
+            found.append(("logit_bias", "logit_bias token ids must be non-negative"))
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from hybridlb.api.errors import APIError
 from hybridlb.api.frontend import Frontend
-from hybridlb.api.schemas import ChatCompletionRequest, CompletionRequest, _Sampling
+from hybridlb.api.schemas import MAX_PROMPTS, ChatCompletionRequest, CompletionRequest, _Sampling
 from hybridlb.protocol import SamplingParams
 
 _json = msgspec.json.Encoder()
@@ -38,6 +38,8 @@ class Job:
     include_usage: bool
     logprobs: bool = False  # whether choices show log-probabilities
     echo: list[str] | None = None  # completions with echo: each prompt's text, shown before its output
+    n: int = 1  # choices per prompt
+    candidates: int = 1  # sequences generated per prompt (best_of); the n most likely are returned
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -96,11 +98,14 @@ def _params(frontend: Frontend, body: _Sampling, ids: list[int], requested: int 
 def completion_job(frontend: Frontend, body: CompletionRequest) -> Job:
     body.check_supported()
     texts = body.prompts()
+    if len(texts) * body.candidates > MAX_PROMPTS:
+        raise APIError(400, f"prompts x {'best_of' if body.best_of else 'n'} is {len(texts) * body.candidates}; "
+                            f"at most {MAX_PROMPTS} sequences in one request", param="n")
     prompts = [_token_ids(frontend, p) for p in texts]
     params = [_params(frontend, body, ids, body.max_tokens) for ids in prompts]
     echo = [t if isinstance(t, str) else frontend.tokenizer.decode(t) for t in texts] if body.echo else None
     return Job("text_completion", f"cmpl-{uuid.uuid4().hex}", body.model, prompts, params, body.include_usage,
-               body.wants_logprobs, echo)
+               body.wants_logprobs, echo, body.choices, body.candidates)
 
 
 def chat_job(frontend: Frontend, body: ChatCompletionRequest) -> Job:
@@ -113,7 +118,7 @@ def chat_job(frontend: Frontend, body: ChatCompletionRequest) -> Job:
     ids = frontend.tokenizer.encode(text, add_special_tokens=False)
     params = _params(frontend, body, ids, body.requested_max_tokens)
     return Job("chat.completion", f"chatcmpl-{uuid.uuid4().hex}", body.model, [ids], [params], body.include_usage,
-               body.wants_logprobs)
+               body.wants_logprobs, n=body.choices, candidates=body.candidates)
 
 
 async def respond(request: Request, frontend: Frontend, job: Job, stream: bool) -> Response:
@@ -121,12 +126,32 @@ async def respond(request: Request, frontend: Frontend, job: Job, stream: bool) 
     frontend.check_rank(rank)
     if not any(engine.alive for engine in frontend.engines):
         raise APIError(503, "no engine is available on this node")
-    streams = [frontend.generate(f"{job.id}-{i}", ids, params, rank)
-               for i, (ids, params) in enumerate(zip(job.prompts, job.params, strict=True))]
+    # Sequence s is candidate s % candidates of prompt s // candidates.
+    streams = [frontend.generate(f"{job.id}-{i}-{c}", ids, _candidate(params, c), rank)
+               for i, (ids, params) in enumerate(zip(job.prompts, job.params, strict=True))
+               for c in range(job.candidates)]
     if stream:
         return StreamingResponse(_sse(frontend, job, streams), media_type="text/event-stream")
     result = await _unless_disconnected(request, _collect(frontend, job, streams))
     return JSONResponse(result) if result is not None else Response(status_code=499)
+
+
+def _candidate(params: SamplingParams, index: int) -> SamplingParams:
+    """The params of a prompt's ``index``-th sequence: a seeded request's others draw from seed + index."""
+    if index == 0 or params.seed is None:
+        return params
+    return msgspec.structs.replace(params, seed=params.seed + index)
+
+
+def _best(job: Job, results: list[Choice]) -> list[Choice]:
+    """Per prompt, its n sequences: all of them, or with best_of the n of highest log-probability."""
+    kept = []
+    for start in range(0, len(results), job.candidates):
+        group = results[start : start + job.candidates]
+        if job.candidates > job.n:
+            group = sorted(group, key=lambda c: -sum(lp.logprob for lp in c.logprobs if lp is not None))[: job.n]
+        kept += group
+    return kept
 
 
 async def _collect(frontend: Frontend, job: Job, streams: list[AsyncIterator]) -> dict:
@@ -134,7 +159,7 @@ async def _collect(frontend: Frontend, job: Job, streams: list[AsyncIterator]) -
         choice = Choice()
         async for delta in stream:
             if not choice.text:  # the first delta
-                _prepend_prompt(job, index, choice, delta)
+                _prepend_prompt(job, index // job.candidates, choice, delta)
             choice.add(delta)
         return choice
 
@@ -144,12 +169,13 @@ async def _collect(frontend: Frontend, job: Job, streams: list[AsyncIterator]) -
     finally:  # on failure or cancellation, stop every prompt's generation, not just one
         for task in tasks:
             task.cancel()
+    completion = sum(result.num_tokens for result in results)  # every sequence generated counts
+    results = _best(job, results)
     choices = [_choice(frontend, job, index, result, 0) for index, result in enumerate(results)]
     for choice, result in zip(choices, results, strict=True):
         if job.kind == "chat.completion":
             choice["message"] = {"role": "assistant", "content": choice.pop("text")}
         choice["finish_reason"] = result.finish_reason
-    completion = sum(result.num_tokens for result in results)
     return {"id": job.id, "object": job.kind, "created": job.created, "model": job.model,
             "choices": choices, "usage": _usage(job, completion)}
 
@@ -242,7 +268,7 @@ async def _sse(frontend: Frontend, job: Job, streams: list[AsyncIterator]) -> As
             completion += item.num_tokens
             choice = pending[index]
             if not started[index] and not choice.text:
-                _prepend_prompt(job, index, choice, item)
+                _prepend_prompt(job, index // job.candidates, choice, item)
             choice.add(item)
             text = "".join(choice.text)
             if text or item.finish_reason:  # a role-only or empty chunk would read as a first token

@@ -22,6 +22,15 @@ MAX_PROMPTS = 1024  # prompts in one completion request (each becomes an engine 
 MAX_STOP = 64  # stop strings per request
 MAX_STOP_CHARS = 1024  # characters per stop string
 MAX_STOP_TOKEN_IDS = 1024
+MAX_CHOICES = 128  # n / best_of: sequences per prompt (prompts x sequences stays within MAX_PROMPTS)
+# Fields of OpenAI's API hybridlb does not implement: a request setting one gets a 400 naming it.
+UNSUPPORTED_FIELDS = {
+    "response_format": "structured output (JSON schema / JSON mode) is not implemented; drop it",
+    "guided_json": "guided decoding is not implemented; drop it",
+    "guided_regex": "guided decoding is not implemented; drop it",
+    "guided_choice": "guided decoding is not implemented; drop it",
+    "logits_processors": "custom logits processors are not implemented; drop it",
+}
 
 
 def _valid_unicode(text: str) -> str:
@@ -50,22 +59,22 @@ class _Sampling(BaseModel):
     top_p: float | None = None
     top_k: Int64 | None = None
     repetition_penalty: float | None = None
-    n: int = 1
+    n: int | None = Field(1, ge=1, le=MAX_CHOICES)
     seed: Int64 | None = None
     stop: Text | list[Text] | None = None
     stop_token_ids: list[Int64] | None = None
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    frequency_penalty: float | None = 0.0
-    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    min_p: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> bias
 
     def check_supported(self) -> None:
-        if self.n != 1:
-            raise APIError(400, f"n={self.n} is not supported; only n=1", param="n")
-        for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(self, name):
-                raise APIError(400, f"{name} is not supported; leave it at 0", param=name)
+        for name, what in UNSUPPORTED_FIELDS.items():
+            if getattr(self, name, None) is not None:
+                raise APIError(400, f"{name} is not supported: {what}", param=name)
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
         if len(self.stops) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in self.stops):
@@ -73,6 +82,16 @@ class _Sampling(BaseModel):
                            param="stop")
         if len(self.stop_token_ids or []) > MAX_STOP_TOKEN_IDS:
             raise APIError(400, f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids", param="stop_token_ids")
+
+    @property
+    def choices(self) -> int:
+        """Sequences returned per prompt (``n``; null means 1)."""
+        return self.n or 1
+
+    @property
+    def candidates(self) -> int:
+        """Sequences generated per prompt (best_of for completions, else n)."""
+        return self.choices
 
     @property
     def stops(self) -> list[str]:
@@ -84,11 +103,19 @@ class _Sampling(BaseModel):
                                            if getattr(self, name) is not None}}
         params = SamplingParams(
             max_tokens=max_tokens, seed=self.seed, stop=self.stops, stop_token_ids=list(self.stop_token_ids or []),
-            ignore_eos=self.ignore_eos, **sampling, **self.logprob_params(),
+            ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0, logit_bias=self._logit_bias(), **sampling,
+            **self.logprob_params(),
         )
         for param, message in params.problems():
             raise APIError(400, message, param=param)
         return params
+
+    def _logit_bias(self) -> dict[int, float]:
+        try:
+            return {int(token): bias for token, bias in (self.logit_bias or {}).items()}
+        except ValueError:
+            raise APIError(400, "logit_bias keys must be token ids (integers as strings)", param="logit_bias") from None
 
     @property
     def include_usage(self) -> bool:
@@ -100,7 +127,8 @@ class _Sampling(BaseModel):
 
     @property
     def wants_logprobs(self) -> bool:
-        return bool(self.logprob_params())
+        """Whether the response shows log-probabilities."""
+        return False
 
 
 class CompletionRequest(_Sampling):
@@ -110,19 +138,29 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = False
     suffix: Text | None = None
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)
 
     def check_supported(self) -> None:
         super().check_supported()
         if self.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
-        if self.best_of not in (None, 1):
-            raise APIError(400, "best_of is not supported", param="best_of")
+        if self.best_of is not None and self.best_of < self.choices:
+            raise APIError(400, f"best_of ({self.best_of}) must be at least n ({self.choices})", param="best_of")
+        if self.stream and self.candidates > self.choices:
+            raise APIError(400, "best_of > n cannot stream: the best are known only at the end", param="best_of")
+
+    @property
+    def candidates(self) -> int:
+        return self.best_of or self.choices
 
     def logprob_params(self) -> dict:
         if self.logprobs is None:
-            return {}
+            return {"logprobs": 0} if self.candidates > self.choices else {}  # best_of ranks by log-probability
         return {"logprobs": self.logprobs, "prompt_logprobs": self.logprobs if self.echo else None}
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of this request: texts or token-id lists (OpenAI allows batches)."""
@@ -168,11 +206,20 @@ class ChatCompletionRequest(_Sampling):
 
     def check_supported(self) -> None:
         super().check_supported()
+        choice = getattr(self, "tool_choice", None)
+        if choice not in (None, "none", "auto"):
+            raise APIError(400, "tool_choice can only be none or auto: tools reach the chat template, and tool "
+                                "calls come back as the model's text (there is no tool-call parser)",
+                           param="tool_choice")
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
 
     def logprob_params(self) -> dict:
         return {"logprobs": self.top_logprobs or 0} if self.logprobs else {}
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return bool(self.logprobs)
 
     def template_arguments(self) -> dict:
         """Keyword arguments for Tokenizer.apply_chat_template."""

@@ -72,6 +72,8 @@ class EngineCore:
                     "shorten the prompt")
         if min(prompt) < 0 or max(prompt) >= self.vocab_size:
             return f"prompt token ids must be in [0, {self.vocab_size})"
+        if any(token >= self.vocab_size for token in params.logit_bias):
+            return f"logit_bias token ids must be in [0, {self.vocab_size})"
         problems = params.problems()
         if problems:
             return "; ".join(message for _, message in problems)

@@ -1,8 +1,10 @@
 """Turn the last-position logits of a batch into one token per request.
 
 A repetition penalty (as in transformers and vLLM) first divides the positive logits,
-and multiplies the negative ones, of every token already in the prompt or output.
-Greedy rows then take the argmax. Sampled rows apply temperature, top-k and top-p, then
+and multiplies the negative ones, of every token already in the prompt or output; the
+presence and frequency penalties (OpenAI's) subtract from the logits of tokens already
+generated; logit_bias adds to the logits it names. Greedy rows then take the argmax.
+Sampled rows apply temperature, top-k, top-p and min-p, then
 draw with the exponential-race trick (argmax of probs / Exp(1) noise), which lets each
 seeded request draw its noise from its own generator: a seeded request samples the
 same tokens whatever else shares its batch.
@@ -22,6 +24,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
         _penalize_repetition(logits, requests)
+        _penalize_presence_and_frequency(logits, requests)
+        _bias(logits, requests)
         tokens = logits.argmax(dim=-1)
         sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
         if sampled:
@@ -35,7 +39,7 @@ class Sampler:
         logits = logits / temperatures.unsqueeze(1)
         logits = _top_k(logits, [r.params.top_k for r in requests])
         logits = _top_p(logits, [r.params.top_p for r in requests])
-        probs = torch.softmax(logits, dim=-1)
+        probs = _min_p(torch.softmax(logits, dim=-1), [r.params.min_p for r in requests])
         return (probs / self._noise(probs, requests)).argmax(dim=-1)
 
     def _noise(self, probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -53,6 +57,33 @@ def _penalize_repetition(logits: torch.Tensor, requests: list[Request]) -> None:
         seen = torch.tensor(sorted(set(request.token_ids)), device=logits.device)
         values = logits[row, seen]
         logits[row, seen] = torch.where(values > 0, values / penalty, values * penalty)
+
+
+def _penalize_presence_and_frequency(logits: torch.Tensor, requests: list[Request]) -> None:
+    for row, request in enumerate(requests):
+        presence, frequency = request.params.presence_penalty, request.params.frequency_penalty
+        if (presence == 0 and frequency == 0) or request.num_output_tokens == 0:
+            continue
+        output = torch.tensor(request.token_ids[request.num_prompt_tokens:], device=logits.device)
+        seen, counts = output.unique(return_counts=True)
+        logits[row, seen] -= presence + frequency * counts.to(logits.dtype)
+
+
+def _bias(logits: torch.Tensor, requests: list[Request]) -> None:
+    vocab = logits.shape[-1]
+    for row, request in enumerate(requests):
+        bias = {token: value for token, value in request.params.logit_bias.items() if token < vocab}
+        if bias:
+            tokens = torch.tensor(list(bias), device=logits.device)
+            logits[row, tokens] += torch.tensor(list(bias.values()), device=logits.device, dtype=logits.dtype)
+
+
+def _min_p(probs: torch.Tensor, ps: list[float]) -> torch.Tensor:
+    """Zero the probabilities under min_p times each row's largest (the draw renormalises)."""
+    if not any(ps):
+        return probs
+    threshold = torch.tensor(ps, device=probs.device, dtype=probs.dtype).unsqueeze(1) * probs.amax(-1, keepdim=True)
+    return probs.masked_fill(probs < threshold, 0.0)
 
 
 def _top_k(logits: torch.Tensor, ks: list[int]) -> torch.Tensor:

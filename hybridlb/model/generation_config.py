@@ -14,7 +14,7 @@ from pathlib import Path
 from hybridlb.model.checkpoint import CheckpointError, resolve
 from hybridlb.model.tokenizer import read_json
 
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")  # also SamplingParams fields
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")  # also SamplingParams fields
 
 
 def sampling_defaults(model: str | Path, setting: str = "auto") -> dict[str, float | int]:

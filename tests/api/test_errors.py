@@ -13,12 +13,16 @@ BAD_COMPLETIONS = [
     ({"top_p": 0}, "top_p"),
     ({"top_p": 1.5}, "top_p"),
     ({"top_k": -1}, "top_k"),
-    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),
     ({"max_tokens": 500, "prompt": "word " * 100}, "max_tokens"),
     ({"prompt": [99999]}, "prompt"),
     ({"prompt": []}, "prompt"),
     ({"logprobs": 21}, "logprobs"),  # more alternatives than MAX_LOGPROBS
-    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),  # OpenAI's range is [-2, 2]
+    ({"min_p": 1.5}, "min_p"),
+    ({"logit_bias": {"GPU": 5}}, "logit_bias"),  # keys are token ids
+    ({"logit_bias": {"99999": 5}}, "logit_bias"),  # beyond the vocabulary
+    ({"response_format": {"type": "json_object"}}, "response_format"),  # not implemented: said, not ignored
 ]
 
 

@@ -77,6 +77,34 @@ def test_logprobs_equal_transformers_log_softmax(smollm2_transformers):
             assert max(abs(a - b) for a, b in zip(lp.top_logprobs, want.values.tolist(), strict=True)) < 1e-4
 
 
+def test_openai_penalties_and_logit_bias_follow_their_definition(smollm2_transformers):
+    """presence / frequency penalties (over generated tokens) and logit_bias, greedy, against the
+    same arithmetic on transformers' logits one token at a time; min_p=1 keeps only the top token."""
+    from collections import Counter
+
+    import torch
+
+    model, tokenizer = smollm2_transformers
+    prompt, biased = tokenizer.encode(PROMPTS[6]), tokenizer.encode(" the")[0]
+    llm = LLM(SMOLLM2, max_model_len=512, num_kv_blocks=64, dtype="float32")
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, presence_penalty=0.8,
+                            frequency_penalty=0.6, logit_bias={biased: 6.0})
+    got = llm.generate([prompt], params)[0].token_ids
+    want: list[int] = []
+    with torch.no_grad():
+        for _ in range(12):
+            logits = model(torch.tensor([prompt + want])).logits[0, -1].float()
+            for token, count in Counter(want).items():
+                logits[token] -= 0.8 + 0.6 * count
+            logits[biased] += 6.0
+            want.append(int(logits.argmax()))
+    plain = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].token_ids
+    assert got == want
+    assert got != plain, "the penalties changed nothing"
+    top_only = SamplingParams(max_tokens=12, temperature=1.0, min_p=1.0, seed=5, ignore_eos=True)
+    assert llm.generate([prompt], top_only)[0].token_ids == plain
+
+
 def test_tokenizer_and_chat_template_equal_transformers(real_model, smollm2_transformers):
     _, theirs = smollm2_transformers
     ours = Tokenizer(real_model)
