@@ -4,7 +4,8 @@ Models: the real SmolLM2-135M-Instruct first (both servers load the same float32
 Face directory made from its GGUF file), then random ``tiny`` / ``small`` qwen3 checkpoints
 as secondary rows. Both servers are up together and the rounds alternate (hybridlb, vLLM,
 then vLLM, hybridlb, ...), so machine noise falls on both; each figure is the median over
-rounds. Both run float32 by default (``--dtype bfloat16``: both in bfloat16, vLLM's CPU
+rounds, and each run starts only once both servers are idle (neither takes CPU from the
+other's run). Both run float32 by default (``--dtype bfloat16``: both in bfloat16, vLLM's CPU
 default), driven by the same
 client (``hybridlb bench serve``'s engine): random prompts, ``--ignore-eos``. Reported:
 output tok/s, mean and P99 TTFT, mean TPOT, the server process tree's RSS (and each hybridlb
@@ -35,6 +36,7 @@ from common import (
     stamp,
     tree_rss_mib,
     vllm_executable,
+    wait_quiet,
 )
 
 from hybridlb.model.tokenizer import Tokenizer
@@ -72,10 +74,12 @@ def compare(servers: list[Server], vocab: int, workloads: list, rounds: int, num
         for workload in workloads:
             drive([server.url], server.model, vocab, workload[0], workload[1], 2 * workload[2], workload[2], seed=99)
     raw = []
+    pids = [server.process.pid for server in servers]
     for round_ in range(rounds):
         for server in servers if round_ % 2 == 0 else servers[::-1]:
-            raw += [{**run_workload(server, vocab, w, num_prompts, seed=1 + round_), "round": round_}
-                    for w in workloads]
+            for w in workloads:
+                wait_quiet(pids)  # neither server still busy from the run before
+                raw.append({**run_workload(server, vocab, w, num_prompts, seed=1 + round_), "round": round_})
     rows = []
     for server in servers:
         for workload in workloads:
