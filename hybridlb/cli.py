@@ -23,6 +23,9 @@ from hybridlb.cli_common import (
     DpStartRank,
     Headless,
     LbMode,
+    parallel_overrides,
+    served_names,
+    simulate_flags,
 )
 from hybridlb.cli_common import fail as _fail
 from hybridlb.config import Config, ConfigError, EngineConfig, load_config, parse_config
@@ -144,23 +147,6 @@ def generate(
             typer.echo(f"{text}\x1b[1m{result.text}\x1b[0m" if sys.stdout.isatty() else text + result.text)
 
 
-def _parallel_overrides(size, size_local, start_rank, rank, address, rpc_port, node_address, headless, lb_mode,
-                        api_servers, cluster_token, lb_policy=None) -> dict[str, dict]:
-    servers = api_servers if api_servers in (None, "auto") else _int_flag("--api-servers-per-node", api_servers)
-    return {
-        "data_parallel": dict(size=size, size_local=size_local, start_rank=start_rank, rank=rank, address=address,
-                              rpc_port=rpc_port, node_address=node_address, headless=headless,
-                              cluster_token=cluster_token),
-        "lb": dict(mode=lb_mode, api_servers_per_node=servers, policy=lb_policy),
-    }
-
-
-def _int_flag(name: str, value: str) -> int:
-    if not value.isdigit():
-        _fail(f"{name} takes a number or 'auto', got {value!r}")
-    return int(value)
-
-
 def _plan(cfg: Config):
     """The cluster plan and this node's part of it, or a clean exit listing every problem."""
     from hybridlb.model.spec import CheckpointError, load_spec
@@ -242,7 +228,7 @@ def serve(
     """
     from hybridlb.launch.serve import serve as serve_node
 
-    parallel = _parallel_overrides(data_parallel_size, data_parallel_size_local, data_parallel_start_rank,
+    parallel = parallel_overrides(data_parallel_size, data_parallel_size_local, data_parallel_start_rank,
                                    data_parallel_rank, data_parallel_address, data_parallel_rpc_port,
                                    data_parallel_node_address, headless, lb_mode, api_servers_per_node,
                                    cluster_token, lb_policy)
@@ -253,8 +239,8 @@ def serve(
                        gpu_memory_utilization=gpu_memory_utilization,
                        block_size=block_size, seed=seed, torch_threads=torch_threads,
                        expert_parallel=enable_expert_parallel, async_dp_coordination=async_dp_coordination,
-                       simulate=_simulate(simulate_step_ms, simulate_per_token_ms)),
-        "api": dict(host=host, port=port, served_model_name=_names(served_model_name), api_key=api_key,
+                       simulate=simulate_flags(simulate_step_ms, simulate_per_token_ms)),
+        "api": dict(host=host, port=port, served_model_name=served_names(served_model_name), api_key=api_key,
                     max_concurrent_requests=max_concurrent_requests, chat_template=chat_template,
                     generation_config=generation_config),
         **parallel,
@@ -269,26 +255,10 @@ def serve(
     if dry_run:
         from hybridlb.plan import format_plan
 
-        typer.echo(format_plan(plan))
-        servers = ", ".join(f"{a.name}@{a.host}:{a.port}→{list(a.ranks)}" for a in node.api_servers) or "none"
-        typer.echo(f"this node: {node.index}, ranks {list(node.ranks)}, "
-                   f"{'headless' if node.headless else 'API servers ' + servers}; "
-                   f"model {cfg.served_model_names}, dtype {cfg.engine.dtype}, max_model_len {cfg.engine.max_model_len}")
+        typer.echo(f"{format_plan(plan)}\nthis node: {node.summary()}; model {cfg.served_model_names}, "
+                   f"dtype {cfg.engine.dtype}, max_model_len {cfg.engine.max_model_len}")
         raise typer.Exit(0)
     raise typer.Exit(serve_node(cfg, plan, node))
-
-
-def _names(names: list[str] | None) -> str | list[str] | None:
-    return names[0] if names and len(names) == 1 else names or None
-
-
-def _simulate(step_ms: float | None, per_token_ms: float | None) -> dict | None:
-    """engine.simulate from the flags (None: not given, the config file decides)."""
-    if step_ms is None:
-        if per_token_ms is not None:
-            _fail("--simulate-per-token-ms needs --simulate-step-ms")
-        return None
-    return {"step_ms": step_ms, "per_token_ms": per_token_ms or 0.0}
 
 
 @app.command()
@@ -316,7 +286,7 @@ def plan(
     cfg = build_config(config, model or ("(none)" if config is None else None), {
         "engine": dict(expert_parallel=enable_expert_parallel),
         "api": dict(host=host, port=port),
-        **_parallel_overrides(data_parallel_size, data_parallel_size_local, data_parallel_start_rank,
+        **parallel_overrides(data_parallel_size, data_parallel_size_local, data_parallel_start_rank,
                               data_parallel_rank, data_parallel_address, data_parallel_rpc_port,
                               data_parallel_node_address, headless, lb_mode, api_servers_per_node, None),
     })

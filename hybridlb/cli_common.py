@@ -1,4 +1,5 @@
-"""What the CLI modules share: the ``--data-parallel-*`` flag declarations and the error exit."""
+"""What the CLI modules share: the ``--data-parallel-*`` flag declarations, their mapping onto
+config overrides, and the error exit."""
 
 from __future__ import annotations
 
@@ -26,3 +27,34 @@ LbMode = Annotated[str | None, typer.Option("--lb-mode", help="hybrid (default),
 ApiServers = Annotated[str | None, typer.Option("--api-servers-per-node", help="N or auto.")]
 ClusterToken = Annotated[str | None, typer.Option("--cluster-token", envvar="HYBRIDLB_CLUSTER_TOKEN",
                                                   help="Shared secret for joining the cluster.")]
+
+
+def parallel_overrides(size, size_local, start_rank, rank, address, rpc_port, node_address, headless, lb_mode,
+                       api_servers, cluster_token, lb_policy=None) -> dict[str, dict]:
+    servers = api_servers if api_servers in (None, "auto") else int_flag("--api-servers-per-node", api_servers)
+    return {
+        "data_parallel": dict(size=size, size_local=size_local, start_rank=start_rank, rank=rank, address=address,
+                              rpc_port=rpc_port, node_address=node_address, headless=headless,
+                              cluster_token=cluster_token),
+        "lb": dict(mode=lb_mode, api_servers_per_node=servers, policy=lb_policy),
+    }
+
+
+def int_flag(name: str, value: str) -> int:
+    if not value.isdigit():
+        fail(f"{name} takes a number or 'auto', got {value!r}")
+    return int(value)
+
+
+def served_names(names: list[str] | None) -> str | list[str] | None:
+    """api.served_model_name from the --served-model-name flags (None: not given)."""
+    return names[0] if names and len(names) == 1 else names or None
+
+
+def simulate_flags(step_ms: float | None, per_token_ms: float | None) -> dict | None:
+    """engine.simulate from the flags (None: not given, the config file decides)."""
+    if step_ms is None:
+        if per_token_ms is not None:
+            fail("--simulate-per-token-ms needs --simulate-step-ms")
+        return None
+    return {"step_ms": step_ms, "per_token_ms": per_token_ms or 0.0}

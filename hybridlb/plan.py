@@ -51,6 +51,11 @@ class NodePlan:
     def is_head(self) -> bool:
         return self.start_rank == 0
 
+    def summary(self) -> str:
+        """One line: its index, ranks and API servers (``serve --dry-run``)."""
+        servers = ", ".join(f"{a.name}@{a.host}:{a.port}→{list(a.ranks)}" for a in self.api_servers)
+        return f"{self.index}, ranks {list(self.ranks)}, " + ("headless" if self.headless else f"API servers {servers}")
+
 
 @dataclass(frozen=True)
 class ClusterPlan:
