@@ -220,11 +220,7 @@ def serve(
 ):
     """Serve the OpenAI API from this node: its engines and API servers, no Ray.
 
-    vLLM's spelling works too: `hybridlb serve MODEL -dp 4 -dpl 2 --data-parallel-hybrid-lb
-    --max_model_len 32k --dtype half ...` (short forms -dp -dpl -dpr -dpn -dpa -dpp -dph -dpe -ep,
-    underscores, --data-parallel-hybrid-lb / --data-parallel-external-lb for --lb-mode,
-    --api-server-count, k/K length suffixes, several --served-model-name names, VLLM_API_KEY).
-    A vLLM flag hybridlb does not implement is an error saying what to do instead.
+    vLLM's spelling works too, e.g. `hybridlb serve MODEL -dp 4 -dpl 2 --data-parallel-hybrid-lb --max_model_len 32k --dtype half`: the short forms -dp -dpl -dpr -dpn -dpa -dpp -dph -dpe -ep, underscores, --data-parallel-hybrid-lb / --data-parallel-external-lb for --lb-mode, --api-server-count, k/K length suffixes, several --served-model-name names, VLLM_API_KEY. A vLLM flag hybridlb does not implement is an error saying what to do instead.
     """
     from hybridlb.launch.serve import serve as serve_node
 
