@@ -24,6 +24,7 @@ from hybridlb.cli_common import (
     Headless,
     LbMode,
     parallel_overrides,
+    plan_of,
     served_names,
     simulate_flags,
 )
@@ -147,24 +148,6 @@ def generate(
             typer.echo(f"{text}\x1b[1m{result.text}\x1b[0m" if sys.stdout.isatty() else text + result.text)
 
 
-def _plan(cfg: Config):
-    """The cluster plan and this node's part of it, or a clean exit listing every problem."""
-    from hybridlb.model.spec import CheckpointError, load_spec
-    from hybridlb.plan import PlanError, plan_cluster
-
-    try:
-        is_moe = load_spec(cfg.engine.model).is_moe
-    except CheckpointError:
-        is_moe = None  # `plan` may run where the checkpoint is not
-    try:
-        plan = plan_cluster(cfg, is_moe)
-    except PlanError as exc:
-        _fail(str(exc))
-    start = cfg.data_parallel.rank if cfg.data_parallel.rank is not None else cfg.data_parallel.start_rank
-    node = next((n for n in plan.nodes if n.start_rank == start), plan.nodes[0])
-    return plan, node
-
-
 @app.command()
 def serve(
     model: Annotated[str | None, typer.Option(help=MODEL_HELP)] = None,
@@ -247,7 +230,7 @@ def serve(
     if cfg.engine.simulate is not None:
         typer.secho(f"warning: SIMULATED engines ({cfg.engine.simulate.step_ms:g} ms per step, no model "
                     "loaded): for control-plane benchmarks only", fg=typer.colors.YELLOW, err=True)
-    plan, node = _plan(cfg)
+    plan, node = plan_of(cfg)
     if dry_run:
         from hybridlb.plan import format_plan
 
@@ -286,14 +269,14 @@ def plan(
                               data_parallel_rank, data_parallel_address, data_parallel_rpc_port,
                               data_parallel_node_address, headless, lb_mode, api_servers_per_node, None),
     })
-    cluster, _ = _plan(cfg)
+    cluster, _ = plan_of(cfg)
     typer.echo(format_plan(cluster))
 
 
 def _whole_cluster(config: Path, overrides: dict) -> tuple[Config, object]:
     cfg = build_config(config, None, overrides)
     ensure_checkpoint(cfg.engine)
-    plan, _ = _plan(cfg)
+    plan, _ = plan_of(cfg)
     return cfg, plan
 
 
@@ -370,7 +353,7 @@ def render_k8s(
     from hybridlb.launch.k8s import RenderError, render
 
     cfg = build_config(config, None, {})
-    plan, _ = _plan(cfg)
+    plan, _ = plan_of(cfg)
     if not plan.complete:
         _fail("rendering needs the whole cluster: list every node under data_parallel.nodes")
     try:

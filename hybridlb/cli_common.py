@@ -3,9 +3,12 @@ config overrides, and the error exit."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
+
+if TYPE_CHECKING:
+    from hybridlb.config import Config
 
 
 def fail(message: str) -> None:
@@ -58,3 +61,21 @@ def simulate_flags(step_ms: float | None, per_token_ms: float | None) -> dict | 
             fail("--simulate-per-token-ms needs --simulate-step-ms")
         return None
     return {"step_ms": step_ms, "per_token_ms": per_token_ms or 0.0}
+
+
+def plan_of(cfg: Config):
+    """The cluster plan and this node's part of it, or a clean exit listing every problem."""
+    from hybridlb.model.spec import CheckpointError, load_spec
+    from hybridlb.plan import PlanError, plan_cluster
+
+    try:
+        is_moe = load_spec(cfg.engine.model).is_moe
+    except CheckpointError:
+        is_moe = None  # `plan` may run where the checkpoint is not
+    try:
+        plan = plan_cluster(cfg, is_moe)
+    except PlanError as exc:
+        fail(str(exc))
+    start = cfg.data_parallel.rank if cfg.data_parallel.rank is not None else cfg.data_parallel.start_rank
+    node = next((n for n in plan.nodes if n.start_rank == start), plan.nodes[0])
+    return plan, node

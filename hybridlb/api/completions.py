@@ -172,10 +172,9 @@ async def _collect(frontend: Frontend, job: Job, streams: list[AsyncIterator]) -
     completion = sum(result.num_tokens for result in results)  # every sequence generated counts
     results = _best(job, results)
     choices = [_choice(frontend, job, index, result, 0) for index, result in enumerate(results)]
-    for choice, result in zip(choices, results, strict=True):
-        if job.kind == "chat.completion":
+    if job.kind == "chat.completion":
+        for choice in choices:
             choice["message"] = {"role": "assistant", "content": choice.pop("text")}
-        choice["finish_reason"] = result.finish_reason
     return {"id": job.id, "object": job.kind, "created": job.created, "model": job.model,
             "choices": choices, "usage": _usage(job, completion)}
 
@@ -198,7 +197,7 @@ def _choice(frontend: Frontend, job: Job, index: int, choice: Choice, offset: in
         logprobs = frontend.logprob_format.chat(choice.logprobs)
     elif job.logprobs:
         logprobs = frontend.logprob_format.completion(choice.token_ids, choice.logprobs, offset)
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason}
 
 
 def _usage(job: Job, completion_tokens: int) -> dict:
@@ -273,7 +272,6 @@ async def _sse(frontend: Frontend, job: Job, streams: list[AsyncIterator]) -> As
             text = "".join(choice.text)
             if text or item.finish_reason:  # a role-only or empty chunk would read as a first token
                 body = _choice(frontend, job, index, choice, offsets[index])
-                body["finish_reason"] = item.finish_reason
                 yield _chunk(job, body, first=not started[index])
                 started[index], offsets[index], pending[index] = True, offsets[index] + len(text), Choice()
         if job.include_usage:
