@@ -23,6 +23,7 @@ from hybridlb.cli_common import (
     DpStartRank,
     Headless,
     LbMode,
+    json_flag,
     parallel_overrides,
     plan_of,
     served_names,
@@ -171,6 +172,10 @@ def serve(
     gpu_memory_utilization: Annotated[float | None, typer.Option(
         help="CUDA: size the KV cache to fill this fraction of GPU memory (instead of --kv-cache-gib).")] = None,
     block_size: Annotated[int | None, typer.Option()] = None,
+    enable_prefix_caching: Annotated[bool | None, typer.Option(
+        "--enable-prefix-caching/--no-enable-prefix-caching", help="Reuse cached prompt prefixes (default on).")] = None,
+    kv_events_config: Annotated[str | None, typer.Option(
+        help="KV-cache events as JSON, vLLM's keys, e.g. '{\"enable_kv_cache_events\": true}'.")] = None,
     device: Annotated[str | None, typer.Option(help="cpu or cuda.")] = None,
     dtype: Annotated[str | None, typer.Option(help="auto, float32, bfloat16 or float16.")] = None,
     seed: Annotated[int | None, typer.Option()] = None,
@@ -217,6 +222,7 @@ def serve(
                        max_num_batched_tokens=max_num_batched_tokens, kv_cache_gib=kv_cache_gib,
                        gpu_memory_utilization=gpu_memory_utilization,
                        block_size=block_size, seed=seed, torch_threads=torch_threads,
+                       prefix_caching=enable_prefix_caching, kv_events=json_flag("--kv-events-config", kv_events_config),
                        expert_parallel=enable_expert_parallel, async_dp_coordination=async_dp_coordination,
                        simulate=simulate_flags(simulate_step_ms, simulate_per_token_ms)),
         "api": dict(host=host, port=port, served_model_name=served_names(served_model_name), api_key=api_key,

@@ -3,6 +3,7 @@ config overrides, and the error exit."""
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -52,6 +53,19 @@ def int_flag(name: str, value: str) -> int:
 def served_names(names: list[str] | None) -> str | list[str] | None:
     """api.served_model_name from the --served-model-name flags (None: not given)."""
     return names[0] if names and len(names) == 1 else names or None
+
+
+def json_flag(name: str, text: str | None) -> dict | None:
+    """A flag whose value is a JSON object (vLLM's --kv-events-config), or None if not given."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        fail(f"{name} is not valid JSON ({exc}); give an object, e.g. '{{\"enable_kv_cache_events\": true}}'")
+    if not isinstance(value, dict):
+        fail(f"{name} must be a JSON object, got {text!r}")
+    return value
 
 
 def simulate_flags(step_ms: float | None, per_token_ms: float | None) -> dict | None:

@@ -43,6 +43,28 @@ class SimulateConfig(_Section):
     )
 
 
+class KVEventsConfig(_Section):
+    """KV-cache events for an upstream balancer (llm-d's precise prefix-cache scorer), in vLLM's
+    wire format and with vLLM's --kv-events-config keys."""
+
+    enable_kv_cache_events: bool = Field(False, description="Publish block stored / removed events.")
+    publisher: Literal["zmq", "null"] | None = Field(
+        None, description="zmq (the default once enabled) or null (publish nothing).")
+    endpoint: str = Field("tcp://*:5557", description="ZMQ PUB endpoint: bound when it holds * (or is ipc:// "
+                          "or inproc://), else dialled. Rank r publishes on the port plus r.")
+    replay_endpoint: str | None = Field(None, description="ZMQ ROUTER endpoint that replays buffered events "
+                                        "from a sequence number.")
+    buffer_steps: int = Field(10000, ge=1, description="Batches kept for replay.")
+    hwm: int = Field(100000, ge=0, description="PUB high-water mark (messages queued per subscriber).")
+    max_queue_size: int = Field(100000, ge=1, description="Accepted for vLLM's spelling; events are sent "
+                                "from the engine loop without a queue.")
+    topic: str = Field("", description="First frame of every message; llm-d expects kv@<pod>@<model>.")
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher != "null"
+
+
 class EngineConfig(_Section):
     """What one engine (one data-parallel rank) needs to load a model and run it."""
 
@@ -66,6 +88,13 @@ class EngineConfig(_Section):
     gpu_memory_utilization: float | None = Field(
         None, gt=0, le=1, description="CUDA: size the KV cache to fill this fraction of the GPU's memory, "
         "after the weights and a forward pass's activations (vLLM's --gpu-memory-utilization)."
+    )
+    prefix_caching: bool = Field(
+        True, description="Reuse the KV blocks of a prompt prefix an earlier request computed (vLLM's "
+        "automatic prefix caching); false computes every prompt from scratch."
+    )
+    kv_events: KVEventsConfig | None = Field(
+        None, description="Publish KV-cache events (vLLM's --kv-events-config); needs prefix_caching."
     )
     num_kv_blocks: int | None = Field(
         None, ge=1, description="Exact number of KV blocks; overrides kv_cache_gib (tests use it)."
@@ -91,6 +120,13 @@ class EngineConfig(_Section):
         "control-plane benchmarks only. engine.model still provides the tokenizer and config.json. "
         "Default: none, the real model.",
     )
+
+    @model_validator(mode="after")
+    def _check_kv_events(self) -> EngineConfig:
+        if self.kv_events is not None and self.kv_events.enabled and not self.prefix_caching:
+            raise ValueError("engine.kv_events reports prefix-cache blocks, but engine.prefix_caching is false; "
+                             "turn prefix caching on or drop kv_events")
+        return self
 
     @model_validator(mode="after")
     def _check_simulation(self) -> EngineConfig:
@@ -191,10 +227,11 @@ class LoadBalancingConfig(_Section):
     api_servers_per_node: int | Literal["auto"] = Field(
         1, description="API server processes per node sharing its port (SO_REUSEPORT); auto: from local engines."
     )
-    policy: Literal["least_loaded", "round_robin"] = Field(
+    policy: Literal["cache_aware", "least_loaded", "round_robin"] = Field(
         "least_loaded",
         description="least_loaded: lowest 4*waiting + running (+ own requests the stats do not show yet), ties "
-        "rotate; round_robin: in turn.",
+        "rotate; cache_aware: least loaded, less what each rank's prefix cache already holds of the prompt "
+        "(never a rank 8 load units busier than the least loaded); round_robin: in turn.",
     )
 
     @model_validator(mode="after")

@@ -184,6 +184,8 @@ class EngineReady(msgspec.Struct, tag="ready"):
     eos_token_ids: list[int]
     dp_group: bool = False  # whether this engine joined a torch.distributed group across ranks
     simulated: bool = False  # engine.simulate: no model, steps only sleep (control-plane benchmarks)
+    prefix_caching: bool = False  # whether it reuses cached prompt prefixes
+    block_hash_seed: int = 0  # the start of its block-hash chain (hybridlb.prefix_hash)
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
@@ -229,6 +231,9 @@ class EngineStats(msgspec.Struct, tag="stats"):
     steps: int = 0  # steps that ran real tokens
     rss_mib: float = 0.0  # the engine process's resident memory (rides along, refreshed every second)
     num_preemptions: int = 0  # requests preempted since start (rides along)
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache since start (rides along)
+    prefix_hits: int = 0  # of those, found cached (rides along)
+    cached_blocks: int = 0  # KV blocks holding reusable content, in use or not (rides along)
 
 
 def is_newer(stats: EngineStats, than: EngineStats | None) -> bool:
@@ -254,6 +259,9 @@ class EngineOutputs(msgspec.Struct, tag="outputs"):
     rank: int
     outputs: list[RequestOutput]
     stats: EngineStats | None = None
+    # Hashes of cached blocks evicted since the last message (prefix caching): every front
+    # end gets them, so its routing index stops counting on them.
+    evicted: list[int] = msgspec.field(default_factory=list)
 
 
 class LoadSnapshot(msgspec.Struct, tag="loads"):

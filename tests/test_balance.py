@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from hybridlb.api.balance import choose_engine, load_score
+from hybridlb.api.balance import MAX_LOAD_GAP, choose_cache_aware, choose_engine, load_score
+from hybridlb.api.prefix_index import PrefixIndex
 
 
 def test_least_loaded_wins():
@@ -33,3 +34,30 @@ def test_an_engine_with_fresh_stats_does_not_look_busier_than_one_with_stale_sta
     fresh = load_score(waiting=0, running=4, in_flight_here=4)
     stale = load_score(waiting=0, running=2, in_flight_here=4)  # two sent since its last report
     assert fresh == stale == 4
+
+
+def test_cache_aware_goes_where_the_prefix_is_cached():
+    assert choose_cache_aware([0, 0], [0, 512], start=0) == 1
+    assert choose_cache_aware([3, 1], [1024, 0], start=1) == 0  # a long cached prompt outweighs a little load
+    assert choose_cache_aware([2, 0], [16, 0], start=0) == 1  # one cached block does not
+
+
+def test_cache_aware_never_picks_a_rank_far_busier_than_the_least_loaded():
+    assert choose_cache_aware([MAX_LOAD_GAP, 0], [4096, 0], start=0) == 0  # at the limit: still the cache
+    assert choose_cache_aware([MAX_LOAD_GAP + 1, 0], [4096, 0], start=0) == 1  # past it: spill
+
+
+def test_cache_aware_without_any_cache_is_least_loaded():
+    for loads in ([0, 0, 0], [2, 1, 3], [1, 0, 0]):
+        assert [choose_cache_aware(loads, [0] * 3, s) for s in range(4)] == [choose_engine(loads, s) for s in range(4)]
+
+
+def test_the_prefix_index_forgets_evicted_blocks_and_old_prompts():
+    index = PrefixIndex(capacity=4)
+    index.record([1, 2, 3])
+    assert index.matched([1, 2, 3, 4]) == 3 and index.matched([5, 1]) == 0
+    index.forget([2])
+    assert index.matched([1, 2, 3]) == 1
+    index.record([7, 8, 9])  # over capacity: the oldest prompt's blocks go, tail first
+    assert index.matched([7, 8, 9]) == 3 and len(index) == 4
+    assert index.matched([1]) == 1 and 3 not in index.blocks

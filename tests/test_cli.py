@@ -70,9 +70,10 @@ LLM_D_WIDE_EP = ["--port", "8200", "--disable-log-requests", "--disable-uvicorn-
                  "5555", "--data-parallel-start-rank", "2", "--trust-remote-code", "--kv_transfer_config",
                  '{"kv_connector":"NixlConnector","kv_role":"kv_both"}', "--async-scheduling", "--enable-dbo",
                  "--dbo-decode-token-threshold", "32", "--enable-eplb", "--eplb-config", '{"window_size":"1000"}',
-                 "--compilation_config", '{"cudagraph_mode":"FULL_DECODE_ONLY"}', "--kv-events-config", "{}"]
+                 "--compilation_config", '{"cudagraph_mode":"FULL_DECODE_ONLY"}', "--kv-events-config",
+                 '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557","topic":"kv@10.0.0.7@m"}']
 NOT_IMPLEMENTED = ["--kv-transfer-config", "--async-scheduling", "--enable-dbo", "--dbo-decode-token-threshold",
-                   "--enable-eplb", "--eplb-config", "--compilation-config", "--kv-events-config"]
+                   "--enable-eplb", "--eplb-config", "--compilation-config"]
 
 
 def test_vllm_data_parallel_commands_run_as_vllm_documents_them(checkpoints):
@@ -101,6 +102,7 @@ def test_llm_d_wide_ep_command_names_each_flag_it_cannot_honour(checkpoints):
     for flag in NOT_IMPLEMENTED:
         assert flag in run.stderr, flag
     assert "drop the flag" in run.stderr and "--trust-remote-code" not in run.stderr.split("error:")[1]
+    assert "--kv-events-config" not in run.stderr  # KV-cache events are implemented
     kept, skip = [], 0
     for arg in LLM_D_WIDE_EP:  # what is left once the unimplemented flags are dropped
         if skip:

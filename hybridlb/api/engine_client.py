@@ -19,6 +19,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from hybridlb.api.balance import load_score
+from hybridlb.api.prefix_index import PrefixIndex
 from hybridlb.protocol import (
     AbortRequests,
     AddRequest,
@@ -62,6 +63,7 @@ class EngineConnection:
         self.info: EngineReady | None = None
         self.alive = False
         self.stats: EngineStats | None = None
+        self.prefix: PrefixIndex | None = None  # what this server sent that the engine may still cache
         self.on_stats = on_stats
         self._ready = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -112,8 +114,12 @@ class EngineConnection:
                 self._dispatch(message.outputs)
                 if message.stats is not None:
                     self.update_stats(message.stats)
+                if message.evicted and self.prefix is not None:
+                    self.prefix.forget(message.evicted)
             elif isinstance(message, EngineReady):
                 self.info, self.alive = message, True
+                # A (re)started engine's cache starts empty.
+                self.prefix = PrefixIndex(message.num_kv_blocks) if message.prefix_caching else None
                 self._ready.set()
                 log.info("engine %d ready at %s", self.rank, self.address)
 

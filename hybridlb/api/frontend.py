@@ -18,13 +18,14 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from hybridlb.api.balance import choose_engine
+from hybridlb.api.balance import choose_cache_aware, choose_engine
 from hybridlb.api.engine_client import EngineConnection, EngineUnavailable
 from hybridlb.api.errors import APIError
 from hybridlb.api.logprobs import LogprobFormatter
 from hybridlb.api.metrics import Finished, Metrics
 from hybridlb.model.detokenizer import IncrementalDetokenizer
 from hybridlb.model.tokenizer import Tokenizer
+from hybridlb.prefix_hash import block_hashes
 from hybridlb.protocol import LoadSnapshot, SamplingParams, TokenLogprobs
 
 log = logging.getLogger(__name__)
@@ -120,12 +121,16 @@ class Frontend:
     def _submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, rank: int | None,
                 tried: set[int]):
         """Pick an engine not tried yet and send the request; raise APIError(503) when none is left."""
+        hashes = self._block_hashes(prompt_ids)
         while True:
-            engine = self.pick(rank, frozenset(tried))
+            engine = self.pick(rank, frozenset(tried), hashes)
             tried.add(engine.rank)
             try:
                 wave = self.snapshot.current_wave if self.snapshot else 0
-                return engine, engine.add(request_id, prompt_ids, params, wave)
+                queue = engine.add(request_id, prompt_ids, params, wave)
+                if engine.prefix is not None and hashes:
+                    engine.prefix.record(hashes)
+                return engine, queue
             except EngineUnavailable as exc:
                 if rank is not None:
                     raise APIError(503, str(exc)) from None
@@ -137,8 +142,18 @@ class Frontend:
             raise APIError(400, f"X-data-parallel-rank {rank} is not served here; this node has ranks {owned}",
                            param="X-data-parallel-rank")
 
-    def pick(self, rank: int | None = None, exclude: frozenset[int] = frozenset()) -> EngineConnection:
-        """The engine for a new request: ``rank`` if pinned, else the least loaded live one."""
+    def _block_hashes(self, prompt_ids: list[int]) -> list[int]:
+        """The prompt's full-block hashes as the engines compute them (their cache is keyed
+        by these); none when no local engine caches prefixes."""
+        info = next((e.info for e in self.engines if e.prefix is not None and e.info is not None), None)
+        if info is None:
+            return []
+        return block_hashes(prompt_ids, info.block_size, info.block_hash_seed)
+
+    def pick(self, rank: int | None = None, exclude: frozenset[int] = frozenset(),
+             hashes: list[int] = ()) -> EngineConnection:
+        """The engine for a new request: ``rank`` if pinned, else by the policy among the live
+        ones (``cache_aware`` weighs the prompt's ``hashes`` each rank holds against its load)."""
         self.check_rank(rank)
         if (outage := self.outage()) is not None:
             raise APIError(503, outage)
@@ -151,6 +166,9 @@ class Frontend:
             turn = next(self._turn)
             if self.policy == "round_robin":
                 engine = live[turn % len(live)]
+            elif self.policy == "cache_aware" and hashes:
+                cached = [e.prefix.matched(hashes) * e.info.block_size if e.prefix is not None else 0 for e in live]
+                engine = live[choose_cache_aware([e.score for e in live], cached, turn)]
             else:
                 engine = live[choose_engine([e.score for e in live], turn)]
         if not engine.alive:

@@ -19,7 +19,9 @@ import os
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.registry import Collector
 
 from hybridlb.protocol import EngineReady, EngineStats, LoadSnapshot
 
@@ -60,6 +62,31 @@ class Finished:
     prefill_s: float | None = None  # the engine's: first scheduled to first token
 
 
+class EngineTotals(Collector):
+    """Counters the engines keep themselves (preemptions, prefix-cache queries and hits),
+    exported as each engine's latest running total: exact whichever API server process
+    answers the scrape (adding them up across processes would count them once per
+    process), and back to zero when an engine restarts, as a counter reset should."""
+
+    COUNTERS = (
+        ("vllm:num_preemptions", "Cumulative number of preemption from the engine.", "num_preemptions"),
+        ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+         "prefix_queries"),
+        ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", "prefix_hits"),
+    )
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.stats: dict[int, EngineStats] = {}
+
+    def collect(self):
+        for name, help_, field in self.COUNTERS:
+            family = CounterMetricFamily(name, help_, labels=["model_name", "engine"])
+            for rank, stats in sorted(self.stats.items()):
+                family.add_metric([self.model_name, str(rank)], getattr(stats, field))
+            yield family
+
+
 class Metrics:
     def __init__(self, model_name: str, observer=None, max_model_len: int = DEFAULT_MAX_MODEL_LEN):
         # observer: also told of first tokens, finishes and engine stats (the Ray dashboard mirror)
@@ -68,7 +95,7 @@ class Metrics:
         self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
         # In multiprocess mode values live in files and a collector reads them all at scrape time.
         self.registry = CollectorRegistry()
-        self._preemptions: dict[int, tuple[int, int]] = {}  # rank -> (engine epoch, preemptions counted)
+        self.totals = EngineTotals(model_name)
         r = None if self.multiprocess else self.registry
         labels = ["model_name", "engine"]
         gauge = {"multiprocess_mode": "mostrecent"} if self.multiprocess else {}
@@ -82,8 +109,7 @@ class Metrics:
         self.running = g("vllm:num_requests_running", "Number of requests in model execution batches.")
         self.waiting = g("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
         self.kv_usage = g("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
-        self.preemptions = Counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
-                                   labels, registry=r)
+        self.registry.register(self.totals)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", labels, registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.",
                                          labels, registry=r)
@@ -129,14 +155,15 @@ class Metrics:
     def register_engine(self, rank: int) -> None:
         """Expose every series of an engine from the start, at zero."""
         self.update_stats(EngineStats(rank, 0, 0, 0.0))
-        for metric in (self.prompt_tokens, self.generation_tokens, self.preemptions):
+        for metric in (self.prompt_tokens, self.generation_tokens):
             metric.labels(**self.labels(rank))
         for reason in ("stop", "length"):
             self.success.labels(**self.labels(rank), finished_reason=reason)
 
     def engine_ready(self, info: EngineReady) -> None:
         self.cache_config.labels(block_size=str(info.block_size), num_gpu_blocks=str(info.num_kv_blocks),
-                                 cache_dtype="auto", enable_prefix_caching="False", engine=str(info.rank)).set(1)
+                                 cache_dtype="auto", enable_prefix_caching=str(info.prefix_caching),
+                                 engine=str(info.rank)).set(1)
 
     def update_stats(self, stats: EngineStats) -> None:
         if self.observer is not None:
@@ -149,15 +176,7 @@ class Metrics:
         self.rss.labels(**labels).set(stats.rss_mib * 2**20)
         self.dummy_steps.labels(**labels).set(stats.dummy_steps)
         self.collective.labels(**labels).set(stats.collective_s)
-        # The engine reports its running total; count what is new since the last report
-        # (from zero again when the engine restarted).
-        epoch, counted = self._preemptions.get(stats.rank, (stats.epoch, 0))
-        if epoch != stats.epoch:
-            counted = 0
-        if stats.num_preemptions > counted:
-            self.preemptions.labels(**labels).inc(stats.num_preemptions - counted)
-            counted = stats.num_preemptions
-        self._preemptions[stats.rank] = (stats.epoch, counted)
+        self.totals.stats[stats.rank] = stats
 
     def update_waves(self, snapshot: LoadSnapshot) -> None:
         self.wave.labels(model_name=self.model_name).set(snapshot.current_wave)
@@ -195,5 +214,6 @@ class Metrics:
         if self.multiprocess:
             registry = CollectorRegistry()
             MultiProcessCollector(registry)
+            registry.register(self.totals)
             return generate_latest(registry)
         return generate_latest(self.registry)

@@ -147,6 +147,28 @@ async def run_benchmark(args: BenchArgs, prompts: list, urls: list[str] | None =
     return results, duration
 
 
+async def run_sessions(args: BenchArgs, sessions: list[list], url: str | None = None,
+                       max_tokens: int | None = None) -> tuple[list[RequestResult], float]:
+    """Multi-turn: each session sends its prompts in order, the next once the previous
+    finished; up to ``max_concurrency`` sessions at once."""
+    url = url or args.base_url
+    limit = args.max_concurrency or len(sessions)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
+    semaphore = asyncio.Semaphore(limit)
+
+    async def session(prompts: list) -> list[RequestResult]:
+        async with semaphore:
+            return [await _one(client, args, prompt, start, url, max_tokens or args.random_output_len)
+                    for prompt in prompts]
+
+    async with httpx.AsyncClient(headers=headers, limits=limits, timeout=httpx.Timeout(None, connect=30)) as client:
+        start = time.perf_counter()
+        results = await asyncio.gather(*(session(prompts) for prompts in sessions))
+        duration = time.perf_counter() - start
+    return [r for turns in results for r in turns], duration
+
+
 def _ms(values: list[float], stat: str) -> float:
     if not values:
         return 0.0

@@ -17,6 +17,7 @@ from hybridlb.engine.dp_context import DPContext
 from hybridlb.engine.request import Request
 from hybridlb.engine.scheduler import ScheduledChunk, Scheduler
 from hybridlb.model.tokenizer import read_eos_token_ids
+from hybridlb.prefix_hash import hash_seed
 from hybridlb.protocol import EngineStats, RequestOutput, SamplingParams
 
 if TYPE_CHECKING:  # torch and the model load only with the real runner (not a simulated one)
@@ -35,7 +36,8 @@ class EngineCore:
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.spec.vocab_size
         self.eos_token_ids = set(read_eos_token_ids(config.model))
-        self.blocks = BlockManager(self.runner.num_blocks, config.block_size)
+        self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.prefix_caching,
+                                   hash_seed(config.model))
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.blocks)
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
@@ -116,6 +118,7 @@ class EngineCore:
             request = chunk.request
             samples = chunk.samples
             request.num_computed += chunk.num_tokens
+            self.blocks.cache_computed(request)
             if not samples:
                 continue
             token = next(sampled)
@@ -150,6 +153,9 @@ class EngineCore:
             steps=self.num_steps,
             rss_mib=self._resident_mib(),
             num_preemptions=self.scheduler.num_preemptions,
+            prefix_queries=self.blocks.queried_tokens,
+            prefix_hits=self.blocks.hit_tokens,
+            cached_blocks=self.blocks.num_cached,
         )
 
     def _resident_mib(self) -> float:

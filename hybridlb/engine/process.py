@@ -27,8 +27,10 @@ import zmq
 
 from hybridlb import lifecycle
 from hybridlb.config import EngineConfig
+from hybridlb.engine.block_manager import Removed
 from hybridlb.engine.core import EngineCore
 from hybridlb.engine.dp_context import DPContext
+from hybridlb.engine.kv_events import KVEventPublisher
 from hybridlb.engine.lockstep import Lockstep
 from hybridlb.engine.simulated import make_core
 from hybridlb.protocol import (
@@ -170,6 +172,12 @@ class EngineServer:
         self.epoch = time.time_ns()
         self.last_beat = 0.0  # when stats last went to the coordinator
         self.stopping = False
+        core.blocks.record_events = core.blocks.caching
+        self.kv_events = None
+        events = core.config.kv_events
+        if events is not None and events.enabled and core.blocks.caching:
+            self.kv_events = KVEventPublisher(events, self.context, dp.rank, core.blocks.block_size,
+                                              core.config.device.upper())
 
     def stop(self) -> None:
         """Signal-safe: ask the busy loop to exit.
@@ -254,6 +262,7 @@ class EngineServer:
             vocab_size=core.vocab_size, num_kv_blocks=core.blocks.num_blocks,
             block_size=core.blocks.block_size, eos_token_ids=sorted(core.eos_token_ids),
             dp_group=_in_dp_group(), simulated=core.config.simulate is not None,
+            prefix_caching=core.blocks.caching, block_hash_seed=core.blocks.seed,
         )
 
     def _route_output(self, route: _Route, output: RequestOutput) -> None:
@@ -265,15 +274,25 @@ class EngineServer:
 
     def _publish(self, route: _Route) -> None:
         stats = self._stats_if_changed()
+        evicted = self._cache_events()
         while not self.io.gone.empty():
             self.clients.discard(self.io.gone.get())
-        for identity in self.clients if stats else route.by_client:
+        for identity in self.clients if stats or evicted else route.by_client:
             outputs = route.by_client.get(identity, [])
-            self._send(identity, EngineOutputs(self.core.rank, outputs, stats))
+            self._send(identity, EngineOutputs(self.core.rank, outputs, stats, evicted))
         now = time.monotonic()
         if stats or now - self.last_beat >= STATS_HEARTBEAT_S:
             self._to_coordinator(self.last_stats)
             self.last_beat = now
+
+    def _cache_events(self) -> list[int]:
+        """Publish this step's KV-cache events (if configured); return the evicted hashes."""
+        events = self.core.blocks.take_events()
+        if self.kv_events is not None:
+            if events:
+                self.kv_events.publish(events)
+            self.kv_events.serve_replay()
+        return [event.block_hash for event in events if isinstance(event, Removed)]
 
     def _stats_if_changed(self) -> EngineStats | None:
         stats = self.core.stats()

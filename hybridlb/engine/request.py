@@ -36,6 +36,12 @@ class Request:
         self.generator = generator
         self.num_computed = 0
         self.block_ids: list[int] = []
+        # Prefix caching (see BlockManager): the hash of each full block of token_ids so far
+        # computed, how many leading blocks are registered in the cache, whether the
+        # cache was consulted for this request yet.
+        self.block_hashes: list[int] = []
+        self.num_cached_blocks = 0
+        self.looked_up = False
         self.status = Status.WAITING
         self.stop_ids = set(params.stop_token_ids)
         self.arrived_at = time.monotonic()
@@ -72,4 +78,5 @@ class Request:
         """Preempted: the KV cache is gone; prompt and outputs so far are recomputed later."""
         self.num_computed = 0
         self.block_ids = []
+        self.num_cached_blocks = 0
         self.status = Status.WAITING

@@ -4,9 +4,11 @@ Every step has a token budget (``max_num_batched_tokens``). Running requests go
 first, oldest first: a decoding request takes one token, a request part-way through a
 long prompt takes the next chunk. Waiting requests are then admitted while budget,
 batch size and KV blocks allow, their prompt chunked to fit the remaining budget.
-When a running request needs a block and none is free, the newest running request is
-preempted: its blocks are freed and it goes back to the head of the waiting queue,
-to be recomputed from its tokens so far.
+A waiting request first takes the longest prefix of its tokens the KV cache already
+holds (prefix caching, see BlockManager) and computes only the rest. When a running
+request needs a block and none is free, the newest running request is preempted: its
+blocks are freed and it goes back to the head of the waiting queue, to be recomputed
+from its tokens so far (the blocks it filled usually still cached).
 """
 
 from __future__ import annotations
@@ -76,11 +78,13 @@ class Scheduler:
         chunks = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            num_tokens = min(request.num_uncomputed, budget)
-            if not self.blocks.can_allocate(request, num_tokens):
+            hit = self.blocks.lookup(request)
+            num_tokens = min(request.num_tokens - len(hit) * self.blocks.block_size, budget)
+            if not self.blocks.can_allocate(request, num_tokens, hit):
                 break
             self.waiting.popleft()
-            self.blocks.allocate(request, num_tokens)
+            self.blocks.count_lookup(request, hit)
+            self.blocks.allocate(request, num_tokens, hit)
             request.status = Status.RUNNING
             if request.scheduled_at is None:
                 request.scheduled_at = time.monotonic()

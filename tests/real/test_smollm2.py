@@ -153,3 +153,54 @@ def test_bfloat16_tokens_stay_in_transformers_bfloat16_top5(smollm2_transformers
             assert token in top5[position], f"position {position}: {token} not in {top5[position]}"
             if token != greedy[position]:
                 break
+
+
+def _shared_prefix_prompts(tokenizer) -> list[list[int]]:
+    system = tokenizer.encode("You are a careful assistant. " * 12 + PROMPTS[1])
+    return [system + tokenizer.encode(question) for question in (PROMPTS[0], PROMPTS[3], PROMPTS[6], " Why?")]
+
+
+@pytest.mark.parametrize("options", [
+    dict(),  # whole prompts
+    dict(max_num_batched_tokens=40),  # chunked prefill crossing the cached prefix's end
+    dict(num_kv_blocks=12, max_model_len=192),  # a small pool: preemption and eviction
+], ids=["whole", "chunked", "preempted"])
+def test_prefix_caching_keeps_the_greedy_tokens(smollm2_transformers, options):
+    """A shared system prompt, reused by later requests and by a batch at once: the tokens
+    equal the uncached run's (float32), and the cache was really hit."""
+    _, tokenizer = smollm2_transformers
+    prompts = _shared_prefix_prompts(tokenizer)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    runs = {}
+    for caching in (True, False):
+        llm = LLM(SMOLLM2, **{"max_model_len": 512, "num_kv_blocks": 64, "dtype": "float32", **options},
+                  prefix_caching=caching)
+        first = llm.generate(prompts[:1], params)
+        runs[caching] = [o.token_ids for o in first + llm.generate(prompts, params)]
+        stats = llm.engine.stats()
+        assert (stats.prefix_hits > 0) == caching
+        if "num_kv_blocks" in options and caching:
+            assert stats.num_preemptions > 0  # a preempted request came back through the cache
+    assert runs[True] == runs[False]
+
+
+def test_a_cached_512_token_prefix_computes_only_the_new_tokens(smollm2_transformers):
+    import time
+
+    _, tokenizer = smollm2_transformers
+    prefix = tokenizer.encode(" ".join(PROMPTS * 12))[:512]
+    llm = LLM(SMOLLM2, max_model_len=1024, num_kv_blocks=80, dtype="float32")
+    one = SamplingParams(max_tokens=1, temperature=0)
+    started = time.perf_counter()
+    llm.generate([prefix + tokenizer.encode(" First question?")], one)
+    cold = time.perf_counter() - started
+    computed = []
+    run = llm.engine.runner.run
+    llm.engine.runner.run = lambda chunks: computed.extend(c.num_tokens for c in chunks) or run(chunks)
+    question = tokenizer.encode(" Second question?")
+    started = time.perf_counter()
+    llm.generate([prefix + question], one)
+    warm = time.perf_counter() - started
+    assert computed == [len(question)]  # the 512 cached tokens were not computed again
+    assert llm.engine.stats().prefix_hits == 512
+    assert warm < cold / 3, (warm, cold)  # time to first token drops with the computed tokens

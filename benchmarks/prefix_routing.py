@@ -1,0 +1,200 @@
+"""Prefix caching and cache-aware routing on the real model, DP=2 hybrid on one node.
+
+Two workloads, the same client for every server (``hybridlb bench serve``'s engine,
+streaming, ``ignore_eos``):
+
+* ``system``: many users sharing 8 system prompts of ~1,000 tokens; each request is one
+  system prompt (shuffled order) plus 32 tokens of its own, 64 tokens out.
+* ``multiturn``: 16 chats of 4 turns. Each turn resends the whole history (a 256-token
+  opening, then per turn 64 assistant tokens and 96 new user tokens) and waits for the
+  previous answer. The history's assistant turns are fixed tokens, not the model's own
+  answers, so the engines' cached output blocks do not match and only prompt blocks are
+  reused: the hit rate is a lower bound on a real chat's.
+
+Servers: hybridlb with ``cache_aware``, ``least_loaded`` and ``round_robin`` (prefix caching
+on), hybridlb ``least_loaded`` with prefix caching off, and vLLM DP=2 ``--data-parallel-
+hybrid-lb`` with its prefix caching (on by default). All bfloat16. Prompts are new random
+tokens in every round, so no server starts a run with anything cached from an earlier one.
+Rounds alternate the servers' order; figures are medians over rounds.
+
+    python benchmarks/prefix_routing.py [--rounds 2] [--no-vllm]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+from pathlib import Path
+
+import httpx
+from common import Server, previous_results, smollm2_hf_dir, stamp, vllm_executable, wait_quiet
+
+from hybridlb.bench.serve import BenchArgs, run_benchmark, run_sessions, summarize
+from hybridlb.model.tokenizer import Tokenizer
+
+HYBRIDLB = {
+    "cache_aware": ("--lb-policy", "cache_aware"),
+    "least_loaded": ("--lb-policy", "least_loaded"),
+    "round_robin": ("--lb-policy", "round_robin"),
+    "no_caching": ("--lb-policy", "least_loaded", "--no-enable-prefix-caching"),
+}
+COMMON = ("--dtype", "bfloat16", "--max-model-len", "2048", "--data-parallel-size", "2")
+SYSTEM_PROMPTS, SYSTEM_LEN, USER_LEN, SYSTEM_REQUESTS = 8, 1000, 32, 96
+CHATS, TURNS, OPENING_LEN, TURN_USER_LEN, TURN_ANSWER_LEN = 16, 4, 256, 96, 64
+OUTPUT_LEN, CONCURRENCY = 64, 16
+
+
+def system_workload(rng: random.Random, vocab: int) -> list[list[int]]:
+    systems = [[rng.randrange(vocab) for _ in range(SYSTEM_LEN)] for _ in range(SYSTEM_PROMPTS)]
+    return [systems[rng.randrange(SYSTEM_PROMPTS)] + [rng.randrange(vocab) for _ in range(USER_LEN)]
+            for _ in range(SYSTEM_REQUESTS)]
+
+
+def multiturn_workload(rng: random.Random, vocab: int) -> list[list[list[int]]]:
+    chats = []
+    for _ in range(CHATS):
+        history = [rng.randrange(vocab) for _ in range(OPENING_LEN)]
+        turns = [list(history)]
+        for _ in range(TURNS - 1):
+            history += [rng.randrange(vocab) for _ in range(TURN_ANSWER_LEN + TURN_USER_LEN)]
+            turns.append(list(history))
+        chats.append(turns)
+    return chats
+
+
+def run(server: Server, workload: str, prompts) -> dict:
+    args = BenchArgs(base_url=server.url, model=server.model, random_output_len=OUTPUT_LEN,
+                     max_concurrency=CONCURRENCY, ignore_eos=True, progress=False)
+    if workload == "system":
+        results, duration = asyncio.run(run_benchmark(args, prompts))
+    else:
+        results, duration = asyncio.run(run_sessions(args, prompts))
+    s = summarize(args, results, duration)
+    row = {"failed": s["failed"], "output_tok_s": s["output_throughput"], "p50_ttft_ms": s["median_ttft_ms"],
+           "p99_ttft_ms": s["p99_ttft_ms"], "mean_tpot_ms": s["mean_tpot_ms"]}
+    row.update(cache_stats(server))
+    return row
+
+
+def cache_stats(server: Server) -> dict:
+    """Prefix-cache hit rate over the server's life (reset by the caller between runs) and the
+    ranks' busy seconds, from /metrics (vLLM's names, so it works for both servers)."""
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    totals = {"queries": 0.0, "hits": 0.0}
+    for line in text.splitlines():
+        for key in totals:
+            if line.startswith(f"vllm:prefix_cache_{key}_total{{"):
+                totals[key] += float(line.rsplit(" ", 1)[1])
+    stats = {"queries": totals["queries"], "hits": totals["hits"]}
+    if server.name.startswith("hybridlb"):
+        ranks = httpx.get(f"{server.url}/ranks", timeout=10).json()["engines"]
+        stats["busy_s"] = [round(e["busy_s"], 1) for e in ranks]
+    return stats
+
+
+def delta(row: dict, before: dict) -> dict:
+    """Turn the cumulative counters in ``row`` into this run's."""
+    queries, hits = row.pop("queries") - before["queries"], row.pop("hits") - before["hits"]
+    row["hit_rate"] = hits / queries if queries else 0.0
+    if "busy_s" in row:
+        row["busy_s"] = [round(a - b, 1) for a, b in zip(row["busy_s"], before["busy_s"], strict=True)]
+    return row
+
+
+def warm_up(server: Server, vocab: int) -> None:
+    args = BenchArgs(base_url=server.url, model=server.model, random_output_len=8, ignore_eos=True, progress=False)
+    rng = random.Random(-1)
+    asyncio.run(run_benchmark(args, [[rng.randrange(vocab) for _ in range(64)] for _ in range(8)]))
+
+
+def measure(server: Server, vocab: int, round_seed: int) -> dict:
+    rows = {}
+    for workload in ("system", "multiturn"):
+        rng = random.Random(f"{workload}-{round_seed}")
+        prompts = system_workload(rng, vocab) if workload == "system" else multiturn_workload(rng, vocab)
+        wait_quiet([server.process.pid])
+        before = cache_stats(server)
+        row = rows[workload] = delta(run(server, workload, prompts), before)
+        print(f"  {server.name:<22} {workload:<10} {row['output_tok_s']:>6.0f} tok/s  TTFT P50 {row['p50_ttft_ms']:>6.0f}"
+              f" P99 {row['p99_ttft_ms']:>6.0f} ms  TPOT {row['mean_tpot_ms']:>5.1f} ms  hits {row['hit_rate']:.0%}"
+              f"  busy {row.get('busy_s', '-')}", flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--models-dir", type=Path, default=Path("models"))
+    parser.add_argument("--no-vllm", action="store_true", help="hybridlb's configurations only")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/prefix_routing.json"))
+    args = parser.parse_args()
+    model = smollm2_hf_dir(args.models_dir)
+    vocab = Tokenizer(model).vocab_size
+    names = [f"hybridlb:{policy}" for policy in HYBRIDLB] + ([] if args.no_vllm else ["vllm"])
+    vllm_server = None
+    if not args.no_vllm:
+        vllm_server = Server.vllm("vllm", vllm_executable(), model, *COMMON, "--data-parallel-size-local", "2",
+                                  "--data-parallel-hybrid-lb")
+        print(f"vllm ready in {vllm_server.wait_ready():.0f} s", flush=True)
+        warm_up(vllm_server, vocab)
+    raw: dict[str, dict[str, list[dict]]] = {name: {"system": [], "multiturn": []} for name in names}
+    try:
+        for round_index in range(args.rounds):
+            print(f"round {round_index + 1}", flush=True)
+            for name in names if round_index % 2 == 0 else names[::-1]:
+                if name == "vllm":
+                    server = vllm_server
+                else:
+                    server = Server.hybridlb(name, model, *COMMON, *HYBRIDLB[name.split(":")[1]])
+                    server.wait_ready()
+                    warm_up(server, vocab)
+                try:
+                    for workload, row in measure(server, vocab, round_index).items():
+                        raw[name][workload].append(row)
+                finally:
+                    if server is not vllm_server:
+                        server.stop()
+    finally:
+        if vllm_server is not None:
+            vllm_server.stop()
+    table = summarize_rounds(raw)
+    print_table(table)
+    report = {"meta": stamp(rounds=args.rounds, concurrency=CONCURRENCY), "results": table, "raw": raw}
+    previous = previous_results(args.out)
+    if args.no_vllm and "vllm" in previous.get("results", {}):
+        report["results"]["vllm (earlier run)"] = previous["results"]["vllm"]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {args.out}")
+
+
+def summarize_rounds(raw: dict) -> dict:
+    table = {}
+    for name, workloads in raw.items():
+        table[name] = {}
+        for workload, rows in workloads.items():
+            if rows:
+                table[name][workload] = {key: statistics.median(r[key] for r in rows)
+                                         for key in ("output_tok_s", "p50_ttft_ms", "p99_ttft_ms", "mean_tpot_ms",
+                                                     "hit_rate", "failed")}
+    return table
+
+
+def print_table(table: dict) -> None:
+    base = table.get("hybridlb:least_loaded", {})
+    print(f"\n{'server':<24}{'workload':<11}{'tok/s':>8}{'vs LL':>7}{'TTFT P50':>10}{'vs LL':>7}{'P99':>8}"
+          f"{'TPOT':>7}{'hits':>6}")
+    for name, workloads in table.items():
+        for workload, row in workloads.items():
+            ref = base.get(workload)
+            speed = f"{row['output_tok_s'] / ref['output_tok_s']:.2f}x" if ref else "-"
+            ttft = f"{row['p50_ttft_ms'] / ref['p50_ttft_ms']:.2f}x" if ref else "-"
+            print(f"{name:<24}{workload:<11}{row['output_tok_s']:>8.0f}{speed:>7}{row['p50_ttft_ms']:>10.0f}{ttft:>7}"
+                  f"{row['p99_ttft_ms']:>8.0f}{row['mean_tpot_ms']:>7.1f}{row['hit_rate']:>6.0%}")
+
+
+if __name__ == "__main__":
+    main()
