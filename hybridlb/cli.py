@@ -12,6 +12,7 @@ import typer
 from hybridlb import vllm_args
 from hybridlb.bench.cli import bench_app
 from hybridlb.cli_common import (
+    VLLM_FLAGS,
     ApiServers,
     ClusterToken,
     DpAddress,
@@ -151,41 +152,41 @@ def generate(
 
 @app.command()
 def serve(
-    model: Annotated[str | None, typer.Option(help=MODEL_HELP)] = None,
+    model: Annotated[str | None, typer.Option(help=MODEL_HELP, rich_help_panel=VLLM_FLAGS)] = None,
     config: Annotated[Path | None, typer.Option(help="YAML config; flags override it.")] = None,
-    host: Annotated[str | None, typer.Option(help="HTTP interface (default 127.0.0.1).")] = None,
-    port: Annotated[int | None, typer.Option(help="HTTP port (default 8000).")] = None,
+    host: Annotated[str | None, typer.Option(help="HTTP interface (default 127.0.0.1).", rich_help_panel=VLLM_FLAGS)] = None,
+    port: Annotated[int | None, typer.Option(help="HTTP port (default 8000).", rich_help_panel=VLLM_FLAGS)] = None,
     served_model_name: Annotated[list[str] | None, typer.Option(
         help="Name clients use (default: --model as given); repeat it, or list several after it as vLLM does, "
-             "to answer to several.")] = None,
-    api_key: Annotated[str | None, typer.Option(help="Require 'Authorization: Bearer KEY' on /v1.")] = None,
+             "to answer to several.", rich_help_panel=VLLM_FLAGS)] = None,
+    api_key: Annotated[str | None, typer.Option(help="Require 'Authorization: Bearer KEY' on /v1.", rich_help_panel=VLLM_FLAGS)] = None,
     max_concurrent_requests: Annotated[int | None, typer.Option(
         help="Requests each API server works on at once; more get 429 (default 4096, 0: no limit).")] = None,
     chat_template: Annotated[str | None, typer.Option(
-        help="Chat template file (or text) replacing the model's own.")] = None,
+        help="Chat template file (or text) replacing the model's own.", rich_help_panel=VLLM_FLAGS)] = None,
     generation_config: Annotated[str | None, typer.Option(
-        help="Sampling defaults: auto (the model's generation_config.json), vllm (none) or a directory.")] = None,
-    max_model_len: Annotated[int | None, typer.Option()] = None,
-    max_num_seqs: Annotated[int | None, typer.Option()] = None,
-    max_num_batched_tokens: Annotated[int | None, typer.Option()] = None,
+        help="Sampling defaults: auto (the model's generation_config.json), vllm (none) or a directory.", rich_help_panel=VLLM_FLAGS)] = None,
+    max_model_len: Annotated[int | None, typer.Option(rich_help_panel=VLLM_FLAGS)] = None,
+    max_num_seqs: Annotated[int | None, typer.Option(rich_help_panel=VLLM_FLAGS)] = None,
+    max_num_batched_tokens: Annotated[int | None, typer.Option(rich_help_panel=VLLM_FLAGS)] = None,
     kv_cache_gib: Annotated[float | None, typer.Option()] = None,
     gpu_memory_utilization: Annotated[float | None, typer.Option(
-        help="CUDA: size the KV cache to fill this fraction of GPU memory (instead of --kv-cache-gib).")] = None,
-    block_size: Annotated[int | None, typer.Option()] = None,
+        help="CUDA: size the KV cache to fill this fraction of GPU memory (instead of --kv-cache-gib).", rich_help_panel=VLLM_FLAGS)] = None,
+    block_size: Annotated[int | None, typer.Option(rich_help_panel=VLLM_FLAGS)] = None,
     enable_prefix_caching: Annotated[bool | None, typer.Option(
-        "--enable-prefix-caching/--no-enable-prefix-caching", help="Reuse cached prompt prefixes (default on).")] = None,
+        "--enable-prefix-caching/--no-enable-prefix-caching", help="Reuse cached prompt prefixes (default on).", rich_help_panel=VLLM_FLAGS)] = None,
     kv_events_config: Annotated[str | None, typer.Option(
-        help="KV-cache events as JSON, vLLM's keys, e.g. '{\"enable_kv_cache_events\": true}'.")] = None,
+        help="KV-cache events as JSON, vLLM's keys, e.g. '{\"enable_kv_cache_events\": true}'.", rich_help_panel=VLLM_FLAGS)] = None,
     device: Annotated[str | None, typer.Option(help="cpu or cuda.")] = None,
-    dtype: Annotated[str | None, typer.Option(help="auto, float32, bfloat16 or float16.")] = None,
-    seed: Annotated[int | None, typer.Option()] = None,
+    dtype: Annotated[str | None, typer.Option(help="auto, float32, bfloat16 or float16.", rich_help_panel=VLLM_FLAGS)] = None,
+    seed: Annotated[int | None, typer.Option(rich_help_panel=VLLM_FLAGS)] = None,
     torch_threads: Annotated[int | None, typer.Option(help="Threads per engine (0: split the cores).")] = None,
     enable_expert_parallel: Annotated[bool | None, typer.Option(
-        "--enable-expert-parallel/--no-enable-expert-parallel", help="MoE: shard experts over the DP ranks.")] = None,
+        "--enable-expert-parallel/--no-enable-expert-parallel", help="MoE: shard experts over the DP ranks.", rich_help_panel=VLLM_FLAGS)] = None,
     async_dp_coordination: Annotated[bool | None, typer.Option(
         "--async-dp-coordination/--no-async-dp-coordination",
         help="Expert parallel: overlap the per-step metadata exchange (default on).")] = None,
-    lb_policy: Annotated[str | None, typer.Option(help="least_loaded (default) or round_robin.")] = None,
+    lb_policy: Annotated[str | None, typer.Option(help="cache_aware (default), least_loaded or round_robin.")] = None,
     simulate_step_ms: Annotated[float | None, typer.Option(
         help="SIMULATED engines for control-plane benchmarks: no model, each step sleeps this long.")] = None,
     simulate_per_token_ms: Annotated[float | None, typer.Option(

@@ -228,7 +228,7 @@ class LoadBalancingConfig(_Section):
         1, description="API server processes per node sharing its port (SO_REUSEPORT); auto: from local engines."
     )
     policy: Literal["cache_aware", "least_loaded", "round_robin"] = Field(
-        "least_loaded",
+        "cache_aware",
         description="least_loaded: lowest 4*waiting + running (+ own requests the stats do not show yet), ties "
         "rotate; cache_aware: least loaded, less what each rank's prefix cache already holds of the prompt "
         "(never a rank 8 load units busier than the least loaded); round_robin: in turn.",

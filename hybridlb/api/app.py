@@ -142,7 +142,7 @@ class ApiServerSpec:
     node: int = 0
     mode: str = "hybrid"
     coordinator_loads: str | None = None
-    policy: str = "least_loaded"
+    policy: str = "cache_aware"
     cluster_token: str | None = None  # keys for TCP sockets (``hybridlb.transport``), resolved by the launcher
 
 

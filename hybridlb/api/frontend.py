@@ -46,7 +46,7 @@ class Delta:
 
 class Frontend:
     def __init__(self, engines: list[EngineConnection], tokenizer: Tokenizer, metrics: Metrics,
-                 policy: str = "least_loaded", follows_coordinator: bool = False,
+                 policy: str = "cache_aware", follows_coordinator: bool = False,
                  sampling_defaults: dict | None = None):
         self.engines = engines
         self.sampling_defaults = sampling_defaults or {}  # the model's generation_config.json
@@ -144,9 +144,10 @@ class Frontend:
 
     def _block_hashes(self, prompt_ids: list[int]) -> list[int]:
         """The prompt's full-block hashes as the engines compute them (their cache is keyed
-        by these); none when no local engine caches prefixes."""
+        by these), for ``cache_aware``; none for other policies or when no local engine
+        caches prefixes."""
         info = next((e.info for e in self.engines if e.prefix is not None and e.info is not None), None)
-        if info is None:
+        if info is None or self.policy != "cache_aware" or len(self.engines) == 1:
             return []
         return block_hashes(prompt_ids, info.block_size, info.block_hash_seed)
 

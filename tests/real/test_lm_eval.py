@@ -1,0 +1,78 @@
+"""lm-evaluation-harness against the real-model server, as its users run it: `lm_eval --model
+local-completions` on the repository's local tasks (tests/evals), loglikelihood and
+generate_until. Each scored choice's log-likelihood equals transformers' (float32) for the
+same tokens, and each generation equals transformers' greedy text."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+pytest.importorskip("lm_eval")
+
+
+@pytest.fixture(scope="module")
+def lm_eval_run(smollm2_server, smollm2_hf_dir, tmp_path_factory) -> dict[str, list[dict]]:
+    """One lm_eval run over both tasks; its logged samples per task."""
+    out = tmp_path_factory.mktemp("lm_eval")
+    model_args = (f"model=smollm2,base_url={smollm2_server.url}/v1/completions,tokenizer={smollm2_hf_dir},"
+                  "tokenizer_backend=huggingface,num_concurrent=4,max_retries=1")
+    command = [sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args", model_args,
+               "--include_path", "tests/evals", "--tasks", "hybridlb_smoke_mc,hybridlb_smoke_gen",
+               "--output_path", str(out), "--log_samples", "--batch_size", "1"]
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    samples = {}
+    for task in ("hybridlb_smoke_mc", "hybridlb_smoke_gen"):
+        files = list(out.rglob(f"samples_{task}_*.jsonl"))
+        assert files, f"no samples written for {task}: {run.stderr[-2000:]}"
+        samples[task] = [json.loads(line) for line in files[0].read_text().splitlines()]
+    results = json.loads(next(out.rglob("results_*.json")).read_text())["results"]
+    samples["results"] = results
+    return samples
+
+
+def test_loglikelihoods_equal_transformers(lm_eval_run, smollm2_transformers):
+    model, tokenizer = smollm2_transformers
+    samples = lm_eval_run["hybridlb_smoke_mc"]
+    assert len(samples) == 50
+    checked = 0
+    for sample in samples[:12]:  # 48 (context, continuation) pairs
+        for request, response in zip(sample["arguments"].values(), sample["resps"], strict=True):
+            context, continuation = request["arg_0"], request["arg_1"]
+            assert continuation.startswith(" ") and not continuation.startswith("  ")
+            context_ids = tokenizer.encode(context)
+            whole = tokenizer.encode(context + continuation)
+            assert whole[: len(context_ids)] == context_ids
+            with torch.no_grad():
+                logits = model(torch.tensor([whole])).logits[0].float()
+            logprobs = torch.log_softmax(logits, dim=-1)
+            expected = sum(logprobs[p - 1, whole[p]].item() for p in range(len(context_ids), len(whole)))
+            served = float(response[0][0])
+            assert abs(served - expected) < 1e-3, (context, continuation, served, expected)
+            checked += 1
+    assert checked == 48
+    assert 0.0 <= lm_eval_run["results"]["hybridlb_smoke_mc"]["acc,none"] <= 1.0
+
+
+def test_generations_equal_transformers_greedy(lm_eval_run, smollm2_transformers):
+    model, tokenizer = smollm2_transformers
+    samples = lm_eval_run["hybridlb_smoke_gen"]
+    assert len(samples) == 50
+    for sample in samples[:6]:
+        context = sample["arguments"]["gen_args_0"]["arg_0"]
+        ids = tokenizer.encode(context)
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, pad_token_id=0)
+        text = tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
+        expected = min((text.split(stop)[0] for stop in ("\n", ".")), key=len)
+        assert sample["resps"][0][0] == expected, (context, sample["resps"][0][0], text)
+    assert "exact_match,none" in lm_eval_run["results"]["hybridlb_smoke_gen"]
