@@ -17,7 +17,13 @@ hybrid-lb`` with its prefix caching (on by default). All bfloat16. Prompts are n
 tokens in every round, so no server starts a run with anything cached from an earlier one.
 Rounds alternate the servers' order; figures are medians over rounds.
 
-    python benchmarks/prefix_routing.py [--rounds 2] [--no-vllm]
+``--kv-cache-gib`` sets each hybridlb engine's KV cache (default 1 GiB, as vLLM's
+``VLLM_CPU_KVCACHE_SPACE=1``). At 1 GiB every rank holds all 8 system prompts next to
+its running requests, so ``least_loaded`` misses little; at 0.3 GiB a rank holds about
+half of them, the regime where it matters which rank a prompt goes to (vLLM's space is
+whole GiB, so it sits that setting out). Each setting keeps its own rows in the JSON.
+
+    python benchmarks/prefix_routing.py [--rounds 2] [--no-vllm] [--kv-cache-gib 0.3]
 """
 
 from __future__ import annotations
@@ -129,13 +135,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--models-dir", type=Path, default=Path("models"))
     parser.add_argument("--no-vllm", action="store_true", help="hybridlb's configurations only")
+    parser.add_argument("--kv-cache-gib", type=float, default=1.0, help="each hybridlb engine's KV cache")
+    parser.add_argument("--configs", default=",".join(HYBRIDLB), help="hybridlb configurations to run")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/prefix_routing.json"))
     args = parser.parse_args()
     model = smollm2_hf_dir(args.models_dir)
     vocab = Tokenizer(model).vocab_size
-    names = [f"hybridlb:{policy}" for policy in HYBRIDLB] + ([] if args.no_vllm else ["vllm"])
+    with_vllm = not args.no_vllm and args.kv_cache_gib == 1.0
+    names = [f"hybridlb:{policy}" for policy in args.configs.split(",")] + (["vllm"] if with_vllm else [])
     vllm_server = None
-    if not args.no_vllm:
+    if with_vllm:
         vllm_server = Server.vllm("vllm", vllm_executable(), model, *COMMON, "--data-parallel-size-local", "2",
                                   "--data-parallel-hybrid-lb")
         print(f"vllm ready in {vllm_server.wait_ready():.0f} s", flush=True)
@@ -148,7 +157,8 @@ def main() -> None:
                 if name == "vllm":
                     server = vllm_server
                 else:
-                    server = Server.hybridlb(name, model, *COMMON, *HYBRIDLB[name.split(":")[1]])
+                    server = Server.hybridlb(name, model, *COMMON, "--kv-cache-gib", str(args.kv_cache_gib),
+                                             *HYBRIDLB[name.split(":")[1]])
                     server.wait_ready()
                     warm_up(server, vocab)
                 try:
@@ -162,10 +172,10 @@ def main() -> None:
             vllm_server.stop()
     table = summarize_rounds(raw)
     print_table(table)
-    report = {"meta": stamp(rounds=args.rounds, concurrency=CONCURRENCY), "results": table, "raw": raw}
-    previous = previous_results(args.out)
-    if args.no_vllm and "vllm" in previous.get("results", {}):
-        report["results"]["vllm (earlier run)"] = previous["results"]["vllm"]
+    setting = f"KV cache {args.kv_cache_gib:g} GiB per engine"
+    meta = stamp(rounds=args.rounds, concurrency=CONCURRENCY, kv_cache_gib=args.kv_cache_gib)
+    previous = previous_results(args.out)  # other settings' rows stay, each with the stamp that made it
+    report = {"settings": {**previous.get("settings", {}), setting: {"meta": meta, "results": table, "raw": raw}}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out}")

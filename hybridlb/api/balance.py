@@ -31,10 +31,12 @@ def choose_engine(loads: list[int], start: int) -> int:
     return best
 
 
-# cache_aware: a cached prompt token is worth this many load units less on a rank (one
-# running request is one unit): a 1,000-token cached system prompt outweighs ~8 requests of
-# queue, a chat template's first block (16 tokens) a ninth of one.
-LOAD_PER_CACHED_TOKEN = 1 / 128
+# cache_aware: every CACHED_TOKENS_PER_LOAD cached prompt tokens make a rank count one load
+# unit (one running request) less busy. Whole units only: a prefix shorter than that (a
+# chat template's first blocks, a short shared instruction) saves less prefill than
+# piling its requests onto one rank would cost, so it leaves ties to rotate as least_loaded
+# does; a 1,000-token cached system prompt is worth 3 units.
+CACHED_TOKENS_PER_LOAD = 256
 MAX_LOAD_GAP = 8  # cache_aware never picks a rank this much busier than the least loaded
 
 
@@ -42,7 +44,8 @@ def choose_cache_aware(loads: list[int], cached_tokens: list[int], start: int, m
     """Index of the rank that serves a request cheapest: load minus what its prefix cache
     saves, among ranks within ``max_gap`` of the least loaded (so one hot prefix spreads
     over the ranks instead of piling onto one: the next rank it spills to caches it too).
-    With no cached prefix anywhere this is ``choose_engine``."""
+    Ties go to the first at or after ``start``; with no long cached prefix anywhere this
+    is ``choose_engine``."""
     count = len(loads)
     window = min(loads) + max_gap
     best, best_cost = None, None
@@ -50,7 +53,7 @@ def choose_cache_aware(loads: list[int], cached_tokens: list[int], start: int, m
         index = (start + offset) % count
         if loads[index] > window:
             continue
-        cost = loads[index] - cached_tokens[index] * LOAD_PER_CACHED_TOKEN
+        cost = loads[index] - cached_tokens[index] // CACHED_TOKENS_PER_LOAD
         if best_cost is None or cost < best_cost:
             best, best_cost = index, cost
     return best

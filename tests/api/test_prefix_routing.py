@@ -44,13 +44,13 @@ def test_each_prefix_stays_on_one_rank_and_hits_its_cache(dp2):
     prefixes = [_prefix(seed) for seed in range(4)]
     owner: dict[int, set[int]] = {p: set() for p in range(4)}
     busy_before = [e["busy_s"] for e in httpx.get(f"{dp2.url}/ranks").json()["engines"]]
-    for turn in range(5):
+    for turn in range(6):
         if turn == 1:
             after_first = _cache(dp2.url)
         for p in (0, 1, 2, 3) if turn % 2 == 0 else (1, 0, 3, 2):  # interleaved: A B C D B A D C ...
             prefix = prefixes[p]
             before = _served(dp2.url)
-            _complete(dp2.url, dp2.model, prefix + [950 + 10 * turn + p] * 8)
+            _complete(dp2.url, dp2.model, [*prefix, *[900 + 10 * turn + p] * 8], max_tokens=24)
             after = _served(dp2.url)
             owner[p] |= {rank for rank in (0, 1) if after[rank] > before[rank]}
     assert all(len(ranks) == 1 for ranks in owner.values()), owner
