@@ -175,7 +175,8 @@ def main() -> None:
     setting = f"KV cache {args.kv_cache_gib:g} GiB per engine"
     meta = stamp(rounds=args.rounds, concurrency=CONCURRENCY, kv_cache_gib=args.kv_cache_gib)
     previous = previous_results(args.out)  # other settings' rows stay, each with the stamp that made it
-    report = {"settings": {**previous.get("settings", {}), setting: {"meta": meta, "results": table, "raw": raw}}}
+    report = {"meta": meta,  # the latest run's; each setting keeps its own
+              "settings": {**previous.get("settings", {}), setting: {"meta": meta, "results": table, "raw": raw}}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out}")

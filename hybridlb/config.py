@@ -230,8 +230,8 @@ class LoadBalancingConfig(_Section):
     policy: Literal["cache_aware", "least_loaded", "round_robin"] = Field(
         "cache_aware",
         description="least_loaded: lowest 4*waiting + running (+ own requests the stats do not show yet), ties "
-        "rotate; cache_aware: that load less one unit per 256 prompt tokens the rank has cached (never a rank "
-        "8 units busier than the least loaded); round_robin: in turn.",
+        "rotate; cache_aware: that load less one unit per 128 prompt tokens the rank has cached (from 256 on; "
+        "never a rank 8 units busier than the least loaded); round_robin: in turn.",
     )
 
     @model_validator(mode="after")

@@ -39,8 +39,8 @@ def test_an_engine_with_fresh_stats_does_not_look_busier_than_one_with_stale_sta
 def test_cache_aware_goes_where_the_prefix_is_cached():
     assert choose_cache_aware([0, 0], [0, 512], start=0) == 1
     assert choose_cache_aware([3, 1], [1024, 0], start=1) == 0  # a long cached prompt outweighs a little load
-    assert choose_cache_aware([1, 0], [160, 0], start=0) == 1  # a short one does not
-    assert [choose_cache_aware([0, 0], [160, 0], s) for s in range(2)] == [0, 1]  # nor does it break ties
+    assert choose_cache_aware([1, 0], [240, 0], start=0) == 1  # a short one does not
+    assert [choose_cache_aware([0, 0], [240, 0], s) for s in range(2)] == [0, 1]  # nor does it break ties
 
 
 def test_cache_aware_never_picks_a_rank_far_busier_than_the_least_loaded():

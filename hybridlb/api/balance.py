@@ -32,11 +32,12 @@ def choose_engine(loads: list[int], start: int) -> int:
 
 
 # cache_aware: every CACHED_TOKENS_PER_LOAD cached prompt tokens make a rank count one load
-# unit (one running request) less busy. Whole units only: a prefix shorter than that (a
-# chat template's first blocks, a short shared instruction) saves less prefill than
-# piling its requests onto one rank would cost, so it leaves ties to rotate as least_loaded
-# does; a 1,000-token cached system prompt is worth 3 units.
-CACHED_TOKENS_PER_LOAD = 256
+# unit (one running request) less busy, in whole units, once at least MIN_CACHED_TOKENS are
+# cached: a shorter prefix (a chat template's first blocks, a short shared instruction)
+# saves less prefill than piling its requests onto one rank costs, so it leaves ties to
+# rotate as least_loaded does. A 1,000-token cached system prompt is worth 7 units.
+CACHED_TOKENS_PER_LOAD = 128
+MIN_CACHED_TOKENS = 256
 MAX_LOAD_GAP = 8  # cache_aware never picks a rank this much busier than the least loaded
 
 
@@ -53,7 +54,8 @@ def choose_cache_aware(loads: list[int], cached_tokens: list[int], start: int, m
         index = (start + offset) % count
         if loads[index] > window:
             continue
-        cost = loads[index] - cached_tokens[index] // CACHED_TOKENS_PER_LOAD
+        cached = cached_tokens[index] if cached_tokens[index] >= MIN_CACHED_TOKENS else 0
+        cost = loads[index] - cached // CACHED_TOKENS_PER_LOAD
         if best_cost is None or cost < best_cost:
             best, best_cost = index, cost
     return best
