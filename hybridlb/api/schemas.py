@@ -201,13 +201,13 @@ class ChatCompletionRequest(_Sampling):
     # Passed to the chat template as transformers passes them (tool calls in the output are
     # returned as text: there is no tool-call parser).
     tools: list[dict] | None = None
+    tool_choice: Text | dict | None = None  # none or auto (anything else is a 400 naming it)
     documents: list[dict] | None = None
     chat_template_kwargs: dict | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        choice = getattr(self, "tool_choice", None)
-        if choice not in (None, "none", "auto"):
+        if self.tool_choice not in (None, "none", "auto"):
             raise APIError(400, "tool_choice can only be none or auto: tools reach the chat template, and tool "
                                 "calls come back as the model's text (there is no tool-call parser)",
                            param="tool_choice")
