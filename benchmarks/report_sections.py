@@ -383,30 +383,7 @@ def generic(page: Page, data) -> str:
     return ""
 
 
-def prefix_routing(page: Page, data: dict) -> str:
-    headline = ""
-    for setting, run in data["settings"].items():
-        table = run["results"]
-        base = table.get("hybridlb:least_loaded", {})
-        page.text(f"**{setting}** (`{run['meta']['command']}`, commit {run['meta']['commit']}; medians of "
-                  f"{run['meta']['rounds']} alternating rounds; ratios against `least_loaded`)")
-        rows = []
-        for name, workloads in table.items():
-            for workload, r in workloads.items():
-                ref = base.get(workload)
-                rows.append([name, workload, r["output_tok_s"],
-                             f"{r['output_tok_s'] / ref['output_tok_s']:.2f}x" if ref else "-", r["p50_ttft_ms"],
-                             f"{r['p50_ttft_ms'] / ref['p50_ttft_ms']:.2f}x" if ref else "-", r["p99_ttft_ms"],
-                             r["mean_tpot_ms"], f"{r['hit_rate']:.0%}", r["failed"]])
-        page.table(["server", "workload", "output tok/s", "vs least_loaded", "TTFT P50 ms", "vs least_loaded",
-                    "TTFT P99 ms", "mean TPOT ms", "prefix hits", "failed"], rows)
-        aware, vllm = table.get("hybridlb:cache_aware", {}), table.get("vllm", {})
-        if not headline and aware.get("system") and base.get("system"):
-            headline = (f"shared system prompts: cache_aware {aware['system']['output_tok_s'] / base['system']['output_tok_s']:.2f}x "
-                        f"least_loaded's tok/s" + (f", {aware['system']['output_tok_s'] / vllm['system']['output_tok_s']:.2f}x vLLM's"
-                                                    if vllm.get("system") else ""))
-    return headline
-
+from report_routing import prefix_routing  # noqa: E402 - it renders with this module's Page
 
 SECTIONS: dict[str, Callable[[Page, dict], str]] = {
     "engine_throughput": engine_throughput, "api_overhead": api_overhead, "vs_vllm": vs_vllm,

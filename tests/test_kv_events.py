@@ -59,15 +59,18 @@ def subscriber():
     listener.join(timeout=5)
 
 
-def test_block_events_mirror_the_engine_cache(tiny_qwen3, tmp_path, subscriber):
-    port = subscriber.port
-    replay_port = free_port()
-    events = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://127.0.0.1:{port}",
-                            replay_endpoint=f"tcp://127.0.0.1:{replay_port}", topic="kv@pod-a@tiny")
-    config = EngineConfig(model=tiny_qwen3, max_model_len=256, num_kv_blocks=20, dtype="float32",
+def _engine(model: str, tmp_path, subscriber: Subscriber, topic: str, num_kv_blocks: int, replay_port: int):
+    """An engine process publishing its KV-cache events to ``subscriber``, and a client of it."""
+    events = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://127.0.0.1:{subscriber.port}",
+                            replay_endpoint=f"tcp://127.0.0.1:{replay_port}", topic=topic)
+    config = EngineConfig(model=model, max_model_len=256, num_kv_blocks=num_kv_blocks, dtype="float32",
                           block_size=BLOCK, kv_events=events)
     process = start_engine(config, rank=0, address=f"ipc://{tmp_path}/engine", torch_threads=1)
-    client = EngineClient(process.address)
+    return process, EngineClient(process.address)
+
+
+def test_block_events_mirror_the_engine_cache(tiny_qwen3, tmp_path, subscriber):
+    process, client = _engine(tiny_qwen3, tmp_path, subscriber, "kv@pod-a@tiny", 20, free_port())
     try:
         wait_until_ready([process], timeout_s=120)
         client.hello(timeout_s=10)
@@ -117,14 +120,8 @@ def test_block_events_mirror_the_engine_cache(tiny_qwen3, tmp_path, subscriber):
 
 
 def test_replay_resends_from_a_sequence_number(tiny_qwen3, tmp_path, subscriber):
-    port = subscriber.port
     replay_port = free_port()
-    events = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://127.0.0.1:{port}",
-                            replay_endpoint=f"tcp://127.0.0.1:{replay_port}", topic="kv@pod-b@tiny")
-    config = EngineConfig(model=tiny_qwen3, max_model_len=256, num_kv_blocks=64, dtype="float32",
-                          block_size=BLOCK, kv_events=events)
-    process = start_engine(config, rank=0, address=f"ipc://{tmp_path}/engine", torch_threads=1)
-    client = EngineClient(process.address)
+    process, client = _engine(tiny_qwen3, tmp_path, subscriber, "kv@pod-b@tiny", 64, replay_port)
     replay = zmq.Context.instance().socket(zmq.DEALER)
     replay.setsockopt(zmq.LINGER, 0)
     try:

@@ -41,7 +41,7 @@ def _admit(blocks: BlockManager, request: Request) -> list[int]:
 
 def test_a_repeated_prefix_reuses_its_blocks_and_leaves_a_token_to_compute():
     blocks = BlockManager(8, 4, seed=1)
-    blocks.record_events = True
+    blocks.record_events = blocks.record_stored = True
     first = _request("a", list(range(10)))
     assert _admit(blocks, first) == []
     assert [type(e) for e in blocks.take_events()] == [Stored, Stored]  # two full blocks of 4

@@ -45,7 +45,10 @@ class BlockManager:
         self.refs = [0] * num_blocks
         self.hash_of: list[int | None] = [None] * num_blocks
         self.cached: dict[int, int] = {}  # block hash -> block id
-        self.record_events = False  # the engine process turns it on: stored / removed blocks go out
+        # The engine process turns these on: evictions go to its front ends (routing), stored
+        # blocks to a KV-event publisher if one is configured.
+        self.record_events = False
+        self.record_stored = False
         self.events: list[Stored | Removed] = []
         self.queried_tokens = 0  # prompt tokens looked up in the cache (vLLM's prefix_cache_queries)
         self.hit_tokens = 0  # of those, found cached
@@ -159,7 +162,7 @@ class BlockManager:
                 continue  # another request computed the same block first: ours stays private
             self.cached[block_hash] = block
             self.hash_of[block] = block_hash
-            if self.record_events:
+            if self.record_stored:
                 parent = request.block_hashes[index - 1] if index else None
                 tokens = request.token_ids[index * self.block_size : (index + 1) * self.block_size]
                 self.events.append(Stored(block_hash, parent, tokens))

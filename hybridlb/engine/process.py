@@ -178,6 +178,7 @@ class EngineServer:
         if events is not None and events.enabled and core.blocks.caching:
             self.kv_events = KVEventPublisher(events, self.context, dp.rank, core.blocks.block_size,
                                               core.config.device.upper())
+            core.blocks.record_stored = True
 
     def stop(self) -> None:
         """Signal-safe: ask the busy loop to exit.
