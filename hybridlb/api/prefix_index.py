@@ -42,6 +42,3 @@ class PrefixIndex:
     def forget(self, hashes: list[int]) -> None:
         for block_hash in hashes:
             self.blocks.pop(block_hash, None)
-
-    def clear(self) -> None:
-        self.blocks.clear()

@@ -7,8 +7,9 @@ pod holds which blocks. The format is vLLM's (``--kv-events-config``):
   from 0), and a msgpack payload;
 * the payload is an array ``[ts, [event, ...], data_parallel_rank]``; each event an array
   tagged with its type: ``["BlockStored", block_hashes, parent_block_hash, token_ids,
-  block_size, lora_id, medium]``, ``["BlockRemoved", block_hashes, medium]`` or
-  ``["AllBlocksCleared"]``. Block hashes are unsigned 64-bit ints (``prefix_hash``).
+  block_size, lora_id, medium]`` or ``["BlockRemoved", block_hashes, medium]`` (vLLM's
+  ``AllBlocksCleared`` never happens here: the cache is only evicted block by block).
+  Block hashes are unsigned 64-bit ints (``prefix_hash``).
   Fixed-length arrays suit every llm-d decoder (the older one needs exactly these fields);
 * a replay ROUTER socket (``replay_endpoint``) answers ``[identity, b"", start_seq]`` with
   each buffered message from ``start_seq`` on, ``[identity, b"", seq, payload]``, then
@@ -48,13 +49,9 @@ class BlockRemoved(msgspec.Struct, array_like=True, tag=True):
     medium: str | None
 
 
-class AllBlocksCleared(msgspec.Struct, array_like=True, tag=True):
-    pass
-
-
 class KVEventBatch(msgspec.Struct, array_like=True):
     ts: float
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+    events: list[BlockStored | BlockRemoved]
     data_parallel_rank: int | None = None
 
 
@@ -140,8 +137,3 @@ class KVEventPublisher:
                 if seq >= start:
                     self.replay.send_multipart((identity, b"", seq.to_bytes(8, "big"), payload))
             self.replay.send_multipart((identity, b"", END_OF_REPLAY, b""))
-
-    def close(self) -> None:
-        self.socket.close(linger=0)
-        if self.replay is not None:
-            self.replay.close(linger=0)
