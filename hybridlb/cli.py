@@ -161,7 +161,13 @@ def serve(
              "to answer to several.", rich_help_panel=VLLM_FLAGS)] = None,
     api_key: Annotated[str | None, typer.Option(help="Require 'Authorization: Bearer KEY' on /v1.", rich_help_panel=VLLM_FLAGS)] = None,
     max_concurrent_requests: Annotated[int | None, typer.Option(
-        help="Requests each API server works on at once; more get 429 (default 4096, 0: no limit).")] = None,
+        help="Sequences (prompts x n) each API server works on at once; more get 429 (default 4096, 0: no "
+             "limit).")] = None,
+    request_timeout: Annotated[float | None, typer.Option(
+        help="Fail a request (504) its engine has said nothing about for this many seconds (default 300, "
+             "0: never).")] = None,
+    max_queued_requests: Annotated[int | None, typer.Option(
+        help="Requests one engine keeps waiting for a batch slot; beyond it, 429 (default 1024).")] = None,
     chat_template: Annotated[str | None, typer.Option(
         help="Chat template file (or text) replacing the model's own.", rich_help_panel=VLLM_FLAGS)] = None,
     generation_config: Annotated[str | None, typer.Option(
@@ -220,6 +226,7 @@ def serve(
     parallel["data_parallel"]["restart_policy"] = restart_policy
     cfg = build_config(config, model, {
         "engine": dict(max_model_len=max_model_len, max_num_seqs=max_num_seqs, device=device, dtype=dtype,
+                       max_queued_requests=max_queued_requests,
                        max_num_batched_tokens=max_num_batched_tokens, kv_cache_gib=kv_cache_gib,
                        gpu_memory_utilization=gpu_memory_utilization,
                        block_size=block_size, seed=seed, torch_threads=torch_threads,
@@ -227,7 +234,8 @@ def serve(
                        expert_parallel=enable_expert_parallel, async_dp_coordination=async_dp_coordination,
                        simulate=simulate_flags(simulate_step_ms, simulate_per_token_ms)),
         "api": dict(host=host, port=port, served_model_name=served_names(served_model_name), api_key=api_key,
-                    max_concurrent_requests=max_concurrent_requests, chat_template=chat_template,
+                    max_concurrent_requests=max_concurrent_requests, request_timeout_s=request_timeout,
+                    chat_template=chat_template,
                     generation_config=generation_config),
         **parallel,
     })

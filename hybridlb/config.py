@@ -79,6 +79,10 @@ class EngineConfig(_Section):
     max_num_batched_tokens: int = Field(
         2048, ge=16, description="Token budget of one step; longer prompts are prefilled in chunks."
     )
+    max_queued_requests: int = Field(
+        1024, ge=1, description="Most requests waiting for a batch slot; beyond it the engine refuses new ones "
+        "and the API server tries another engine or answers 429 with Retry-After."
+    )
     max_model_len: int | None = Field(
         None, ge=2, description="Longest prompt plus output; defaults to the checkpoint's max positions."
     )
@@ -164,6 +168,11 @@ class ApiConfig(_Section):
     max_concurrent_requests: int = Field(
         4096, ge=0, description="Requests one API server process works on at once (streams included); more get "
         "429 with Retry-After. /health, /load, /metrics and /version are never refused. 0: no limit."
+    )
+    request_timeout_s: float = Field(
+        300.0, ge=0, description="Fail a request (504) when its engine has sent nothing for it this long: a "
+        "last line of defence against a lost output. A request waiting in a long queue counts as silent too, so "
+        "keep it above the longest queue wait plus prefill you expect. 0: never."
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("warning", description="HTTP server log level.")
     chat_template: str | None = Field(

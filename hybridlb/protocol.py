@@ -23,7 +23,18 @@ Engine input/output — one per engine (one per data-parallel rank).
     engine → front end : ``EngineReady``    answer to ``Hello``: rank, limits, eos ids
     engine → front end : ``EngineOutputs``  after each step: new tokens and finishes for
                                             this front end's requests, plus ``EngineStats``
-                                            whenever (running, waiting, KV usage) changed
+                                            whenever (running, waiting, KV usage) changed;
+                                            at least every second (a heartbeat). ``seq``
+                                            counts them per front end from 1 after each
+                                            ``EngineReady``: a gap means outputs were lost
+                                            and the front end fails that engine's requests
+
+    Nothing is dropped on the way out: the engine's ROUTER queues without a limit for a
+    front end that reads slowly (an API server stalled by a GC pause or a large
+    tokenization gets everything once it resumes) and pings every front end; one that
+    stays silent for ``FRONT_END_SILENCE_S`` is disconnected and its requests aborted.
+    A ``Hello`` from a front end the engine knows means it starts over: the engine aborts
+    that front end's requests before answering.
 
 Coordinator stats in — one per cluster, on the head node (``rpc_port + 1``).
     The coordinator **binds** PULL; every engine **connects** PUSH.
@@ -186,6 +197,7 @@ class EngineReady(msgspec.Struct, tag="ready"):
     simulated: bool = False  # engine.simulate: no model, steps only sleep (control-plane benchmarks)
     prefix_caching: bool = False  # whether it reuses cached prompt prefixes
     block_hash_seed: int = 0  # the start of its block-hash chain (hybridlb.prefix_hash)
+    max_queued_requests: int = 0  # beyond this many waiting it refuses requests ("busy"); 0: unknown
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
@@ -207,6 +219,9 @@ class RequestOutput(msgspec.Struct, omit_defaults=True):
     finish_reason: FinishReason | None = None
     stop_token_id: int | None = None
     error: str | None = None
+    # With ``error``: "invalid" (the request's fault, 400), "busy" (the engine's queue is full,
+    # 429: another engine or a retry may take it) or "internal" (the step failed, 500).
+    error_kind: str = "invalid"
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     # On the first token's output: seconds the request waited before it was first scheduled,
@@ -234,6 +249,8 @@ class EngineStats(msgspec.Struct, tag="stats"):
     prefix_queries: int = 0  # prompt tokens looked up in the prefix cache since start (rides along)
     prefix_hits: int = 0  # of those, found cached (rides along)
     cached_blocks: int = 0  # KV blocks holding reusable content, in use or not (rides along)
+    orphans_aborted: int = 0  # requests aborted because their front end was gone (rides along)
+    step_failures: int = 0  # steps that raised; their requests failed (rides along)
 
 
 def is_newer(stats: EngineStats, than: EngineStats | None) -> bool:
@@ -262,6 +279,7 @@ class EngineOutputs(msgspec.Struct, tag="outputs"):
     # Hashes of cached blocks evicted since the last message (prefix caching): every front
     # end gets them, so its routing index stops counting on them.
     evicted: list[int] = msgspec.field(default_factory=list)
+    seq: int = 0  # this message's number for its front end, from 1 after each EngineReady
 
 
 class LoadSnapshot(msgspec.Struct, tag="loads"):
@@ -317,6 +335,7 @@ ToCoordinator = EngineStats | WaveComplete | StartWave
 ToHead = RegisterNode | NodeReady | Heartbeat
 FromHead = NodeAccepted | NodeRejected | ClusterReady | Heartbeat | Shutdown
 
+FRONT_END_SILENCE_S = 30  # an engine disconnects a front end that answers no ping for this long
 COORDINATOR_LIMIT = 64 * 2**10
 HANDSHAKE_LIMIT = 2**20
 

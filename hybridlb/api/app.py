@@ -21,7 +21,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hybridlb import __version__
-from hybridlb.api.completions import chat_job, completion_job, respond
+from hybridlb.api.admission import SCOPE_KEY, Slots
+from hybridlb.api.completions import chat_job, completion_job, prepare, respond
 from hybridlb.api.engine_client import EngineConnection
 from hybridlb.api.errors import APIError, error_response, install_error_handlers
 from hybridlb.api.frontend import Frontend
@@ -76,12 +77,11 @@ OPEN_PATHS = frozenset({"/health", "/ping", "/load", "/metrics", "/version"})
 
 class RequestGuard:
     """ASGI middleware: the API key on every path but ``OPEN_PATHS`` (so a new route is
-    guarded by default), the request body size limit, and the limit on concurrent requests."""
+    guarded by default), the request body size limit, and the first slot of the concurrency
+    limit (``Slots``: a request takes the rest once its body says how many sequences it has)."""
 
-    def __init__(self, app, api_key: str | None, max_body_bytes: int, max_concurrent: int = 0):
-        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
-        self.max_concurrent = max_concurrent
-        self.in_flight = 0
+    def __init__(self, app, api_key: str | None, max_body_bytes: int, slots: Slots):
+        self.app, self.api_key, self.max_body_bytes, self.slots = app, api_key, max_body_bytes, slots
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -93,11 +93,14 @@ class RequestGuard:
             error = APIError(401, "missing or wrong API key; send 'Authorization: Bearer <key>'",
                              code="invalid_api_key")
             return await error_response(error)(scope, receive, send)
-        if self.max_concurrent and self.in_flight >= self.max_concurrent:
-            return await self._busy(scope, receive, send)
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             return await self._too_large(scope, receive, send)
+        try:
+            self.slots.take(1)
+        except APIError as busy:
+            return await error_response(busy)(scope, receive, send)
+        scope[SCOPE_KEY] = 1
         received = 0
 
         async def counted():
@@ -108,11 +111,10 @@ class RequestGuard:
                 raise StarletteHTTPException(413, self._too_large_message())
             return message
 
-        self.in_flight += 1
         try:
             return await self.app(scope, counted, send)
         finally:
-            self.in_flight -= 1
+            self.slots.give_back(scope[SCOPE_KEY])
 
     def _unauthorized(self, authorization: bytes) -> bool:
         if not self.api_key:
@@ -124,13 +126,6 @@ class RequestGuard:
 
     async def _too_large(self, scope, receive, send):
         return await error_response(APIError(413, self._too_large_message()))(scope, receive, send)
-
-    async def _busy(self, scope, receive, send):
-        error = APIError(429, f"this server is already working on {self.max_concurrent} requests "
-                              "(api.max_concurrent_requests); retry shortly", code="too_many_requests")
-        response = error_response(error)
-        response.headers["Retry-After"] = "1"
-        return await response(scope, receive, send)
 
 
 @dataclass(frozen=True)
@@ -180,14 +175,15 @@ def create_app(config: Config, spec: ApiServerSpec, on_ready: Callable[[], None]
         context = zmq.asyncio.Context()
         client_id = f"{spec.name}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         connections = [EngineConnection(rank, address, f"{client_id}-{rank}", context, metrics.update_stats,
-                                        spec.cluster_token)
+                                        spec.cluster_token, metrics.lost_requests)
                        for rank, address in spec.engines]
         for connection in connections:
             metrics.register_engine(connection.rank)
             connection.start()
         frontend = state["frontend"] = Frontend(connections, tokenizer, metrics, spec.policy,
-                                                        follows_coordinator=spec.coordinator_loads is not None,
-                                                        sampling_defaults=defaults)
+                                                follows_coordinator=spec.coordinator_loads is not None,
+                                                sampling_defaults=defaults, slots=slots,
+                                                request_timeout_s=config.api.request_timeout_s)
         tasks = [asyncio.create_task(_announce_ready(connections, on_ready, metrics))]
         if spec.coordinator_loads:
             tasks.append(asyncio.create_task(_follow_coordinator(context, spec.coordinator_loads, frontend,
@@ -202,8 +198,8 @@ def create_app(config: Config, spec: ApiServerSpec, on_ready: Callable[[], None]
     app = FastAPI(title="hybridlb", version=__version__, lifespan=lifespan)
     install_error_handlers(app)
     api_key = config.api.api_key or os.environ.get("HYBRIDLB_API_KEY") or os.environ.get("VLLM_API_KEY")
-    app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=config.api.max_body_bytes,
-                       max_concurrent=config.api.max_concurrent_requests)
+    slots = Slots(config.api.max_concurrent_requests)
+    app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=config.api.max_body_bytes, slots=slots)
 
     names = config.served_model_names
 
@@ -221,12 +217,12 @@ def create_app(config: Config, spec: ApiServerSpec, on_ready: Callable[[], None]
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         frontend = frontend_for(body.model)
-        return await respond(request, frontend, completion_job(frontend, body), body.stream)
+        return await respond(request, frontend, await prepare(request, completion_job, frontend, body), body.stream)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         frontend = frontend_for(body.model)
-        return await respond(request, frontend, chat_job(frontend, body), body.stream)
+        return await respond(request, frontend, await prepare(request, chat_job, frontend, body), body.stream)
 
     @app.post("/tokenize")
     async def tokenize_route(body: TokenizeRequest):
@@ -294,7 +290,9 @@ def create_app(config: Config, spec: ApiServerSpec, on_ready: Callable[[], None]
 
     @app.get("/metrics")
     async def prometheus():
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        # Multiprocess rendering reads every process's files: off the event loop.
+        body = await asyncio.to_thread(metrics.render) if metrics.multiprocess else metrics.render()
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/version")
     async def version():

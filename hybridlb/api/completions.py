@@ -8,22 +8,28 @@ while watching for the client to disconnect; streamed ones are SSE chunks ending
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from hybridlb.api.admission import SCOPE_KEY
 from hybridlb.api.errors import APIError
 from hybridlb.api.frontend import Frontend
 from hybridlb.api.schemas import MAX_PROMPTS, ChatCompletionRequest, CompletionRequest, _Sampling
 from hybridlb.protocol import SamplingParams
 
+log = logging.getLogger(__name__)
 _json = msgspec.json.Encoder()
 RANK_HEADER = "x-data-parallel-rank"
+INLINE_BODY_BYTES = 16 * 2**10  # smaller bodies are tokenized on the event loop (a thread hop costs more)
+_preparer = ThreadPoolExecutor(1, thread_name_prefix="prepare")  # one at a time: the GIL serializes them anyway
 
 
 @dataclass
@@ -121,11 +127,25 @@ def chat_job(frontend: Frontend, body: ChatCompletionRequest) -> Job:
                body.wants_logprobs, n=body.choices, candidates=body.candidates)
 
 
+async def prepare(request: Request, make_job, frontend: Frontend, body) -> Job:
+    """``make_job(frontend, body)``: tokenizing and templating a large body runs off the event
+    loop, so other requests' tokens keep streaming meanwhile."""
+    size = request.headers.get("content-length", "")
+    if size.isdigit() and int(size) <= INLINE_BODY_BYTES:
+        return make_job(frontend, body)
+    return await asyncio.get_running_loop().run_in_executor(_preparer, make_job, frontend, body)
+
+
 async def respond(request: Request, frontend: Frontend, job: Job, stream: bool) -> Response:
     rank = _pinned_rank(request)
     frontend.check_rank(rank)
     if not any(engine.alive for engine in frontend.engines):
         raise APIError(503, "no engine is available on this node")
+    count = len(job.prompts) * job.candidates
+    frontend.slots.check_size(count)
+    if count > 1 and SCOPE_KEY in request.scope:  # the first slot was taken with the request
+        frontend.slots.take(count - 1)
+        request.scope[SCOPE_KEY] += count - 1
     # Sequence s is candidate s % candidates of prompt s // candidates.
     streams = [frontend.generate(f"{job.id}-{i}-{c}", ids, _candidate(params, c), rank)
                for i, (ids, params) in enumerate(zip(job.prompts, job.params, strict=True))
@@ -237,6 +257,17 @@ def _chunk(job: Job, choice: dict, first: bool) -> bytes:
 
 
 async def _sse(frontend: Frontend, job: Job, streams: list[AsyncIterator]) -> AsyncIterator[bytes]:
+    """The SSE body; a failure while writing it ends the stream with an error event, never silently."""
+    try:
+        async for event in _events(frontend, job, streams):
+            yield event
+    except Exception as exc:
+        log.exception("streaming response %s failed", job.id)
+        yield b"data: " + _json.encode(APIError(500, f"internal error: {type(exc).__name__}: {exc}").body()) + b"\n\n"
+        yield b"data: [DONE]\n\n"
+
+
+async def _events(frontend: Frontend, job: Job, streams: list[AsyncIterator]) -> AsyncIterator[bytes]:
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int, stream: AsyncIterator) -> None:
@@ -245,6 +276,9 @@ async def _sse(frontend: Frontend, job: Job, streams: list[AsyncIterator]) -> As
                 await queue.put((index, delta))
         except APIError as exc:
             await queue.put((index, exc))
+        except Exception as exc:  # never end a choice silently: the client sees what went wrong
+            log.exception("streaming request %s failed", job.id)
+            await queue.put((index, APIError(500, f"internal error: {type(exc).__name__}: {exc}")))
         finally:
             await queue.put((index, None))
 

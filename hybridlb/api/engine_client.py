@@ -5,6 +5,12 @@ socket monitor watches the connection: when the engine process dies (or, across
 nodes, stops answering ZMTP heartbeats) every in-flight request of that engine fails
 at once instead of hanging, and the engine counts as down until it says ``EngineReady``
 again.
+
+Nothing fails silently: the engine numbers its messages to us, so a lost one (a gap in
+``seq``) fails and aborts this connection's requests at once; an exception in the reader
+or the monitor fails them too and registers again (the engine then aborts whatever of
+ours it still runs); and ``Frontend`` gives up on a request the engine has said nothing
+about for ``api.request_timeout_s``.
 """
 
 from __future__ import annotations
@@ -44,10 +50,14 @@ _HEARTBEAT_TIMEOUT_MS = 5000
 class EngineUnavailable(RuntimeError):
     """The engine is not (or no longer) ready; requests on it fail with 503."""
 
+    def __init__(self, message: str, reason: str = "engine_down"):
+        super().__init__(message)
+        self.reason = reason  # for hybridlb:lost_requests_total
+
 
 class EngineConnection:
     def __init__(self, rank: int, address: str, client_id: str, context: zmq.asyncio.Context, on_stats=None,
-                 token: str | None = None):
+                 token: str | None = None, on_lost=None):
         self.rank = rank
         self.address = address
         self.client_id = client_id
@@ -56,6 +66,8 @@ class EngineConnection:
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_MS)
         self.socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
+        # Outputs queue here while the event loop is busy; the engine never drops them either.
+        self.socket.setsockopt(zmq.RCVHWM, 0)
         self.monitor = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         connect_securely(self.socket, address, token)
         self.socket.connect(address)
@@ -65,6 +77,8 @@ class EngineConnection:
         self.stats: EngineStats | None = None
         self.prefix: PrefixIndex | None = None  # what this server sent that the engine may still cache
         self.on_stats = on_stats
+        self.on_lost = on_lost  # (rank, reason, count): requests failed by this connection, for metrics
+        self.seq = 0  # the last EngineOutputs number taken since EngineReady
         self._ready = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
 
@@ -80,6 +94,12 @@ class EngineConnection:
     def in_flight(self) -> int:
         return len(self.streams)
 
+    @property
+    def queue_full(self) -> bool:
+        """By its latest stats, the engine would refuse a new request (engine.max_queued_requests)."""
+        limit = self.info.max_queued_requests if self.info is not None else 0
+        return bool(limit) and self.stats is not None and self.stats.num_waiting >= limit
+
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
             wave: int = 0) -> asyncio.Queue:
         """Send a request; its outputs (or an EngineUnavailable) arrive on the returned queue."""
@@ -91,9 +111,10 @@ class EngineConnection:
         return queue
 
     def release(self, request_id: str, abort: bool) -> None:
-        """Forget a request's stream; ``abort`` also stops it in the engine."""
+        """Forget a request's stream; ``abort`` also stops it in the engine (queued while the
+        engine is unreachable: if it comes back without having restarted, it still runs it)."""
         self.streams.pop(request_id, None)
-        if abort and self.alive:
+        if abort:
             self._send(AbortRequests([request_id]))
 
     def _send(self, message) -> None:
@@ -102,26 +123,71 @@ class EngineConnection:
     async def _read(self) -> None:
         while True:
             frames = await self.socket.recv_multipart(copy=False)
-            if len(frames) != 1:
-                log.warning("engine %d sent a message of %d frames (expected one); dropped", self.rank, len(frames))
-                continue
             try:
-                message = from_engine_decoder.decode(frames[0].buffer)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                log.warning("engine %d sent a malformed message: %s", self.rank, describe(exc))
-                continue
-            if isinstance(message, EngineOutputs):
-                self._dispatch(message.outputs)
-                if message.stats is not None:
-                    self.update_stats(message.stats)
-                if message.evicted and self.prefix is not None:
-                    self.prefix.forget(message.evicted)
-            elif isinstance(message, EngineReady):
-                self.info, self.alive = message, True
-                # A (re)started engine's cache starts empty.
-                self.prefix = PrefixIndex(message.num_kv_blocks) if message.prefix_caching else None
-                self._ready.set()
-                log.info("engine %d ready at %s", self.rank, self.address)
+                self._take(frames)
+            except Exception:  # a bug in handling: fail what we cannot vouch for, then start over
+                log.exception("engine %d: could not handle its message", self.rank)
+                self._resync("an error in the API server while handling its output", "reader_error")
+
+    def _take(self, frames) -> None:
+        if len(frames) != 1:
+            log.warning("engine %d sent a message of %d frames (expected one); dropped", self.rank, len(frames))
+            return
+        try:
+            message = from_engine_decoder.decode(frames[0].buffer)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.warning("engine %d sent a malformed message: %s", self.rank, describe(exc))
+            return
+        if isinstance(message, EngineOutputs):
+            if not self._in_sequence(message.seq):
+                return
+            self._dispatch(message.outputs)
+            if message.stats is not None:
+                self.update_stats(message.stats)
+            if message.evicted and self.prefix is not None:
+                self.prefix.forget(message.evicted)
+        elif isinstance(message, EngineReady):
+            self.info, self.alive, self.seq = message, True, 0
+            # A (re)started engine's cache starts empty.
+            self.prefix = PrefixIndex(message.num_kv_blocks) if message.prefix_caching else None
+            self._ready.set()
+            log.info("engine %d ready at %s", self.rank, self.address)
+
+    def _in_sequence(self, seq: int) -> bool:
+        """Check an EngineOutputs number: False for a duplicate (skip it); a gap fails every
+        request of this connection, since any of them may have lost its finish."""
+        if seq == 0 or not self.alive:  # an engine that does not number (older), or not ours yet
+            return self.alive
+        if seq <= self.seq:
+            log.warning("engine %d: skipped a repeated message (%d after %d)", self.rank, seq, self.seq)
+            return False
+        if seq > self.seq + 1:
+            lost = seq - self.seq - 1
+            self._fail_all(f"engine {self.rank}: {lost} output messages were lost on the way", "lost_output")
+        self.seq = seq
+        return True
+
+    def _fail_all(self, reason: str, kind: str, log_level: int = logging.ERROR) -> None:
+        """Fail every in-flight request of this connection and abort them in the engine."""
+        if self.streams:
+            log.log(log_level, "%s; failing its %d in-flight requests", reason, len(self.streams))
+            if self.on_lost is not None:
+                self.on_lost(self.rank, kind, len(self.streams))
+        failure = EngineUnavailable(reason, kind)
+        ids = list(self.streams)
+        for queue in self.streams.values():
+            queue.put_nowait(failure)
+        self.streams.clear()
+        if ids and self.alive:
+            self._send(AbortRequests(ids))
+
+    def _resync(self, reason: str, kind: str) -> None:
+        """Start over with the engine: fail our requests, register again (the engine aborts
+        whatever of ours it still runs and answers EngineReady)."""
+        self._fail_all(f"engine {self.rank}: {reason}", kind)
+        self.alive = False
+        self._ready.clear()
+        self._send(Hello(self.client_id))
 
     def update_stats(self, stats: EngineStats) -> None:
         """Take ``stats`` if newer than what we have (direct from the engine or via the coordinator)."""
@@ -146,19 +212,19 @@ class EngineConnection:
     async def _watch(self) -> None:
         while True:
             event = parse_monitor_message(await self.monitor.recv_multipart())
-            if event["event"] == zmq.EVENT_DISCONNECTED and self.alive:
-                self._mark_down(f"engine {self.rank} disconnected")
-            elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED and self.info is not None and not self.alive:
-                self._send(Hello(self.client_id))  # a restarted engine: register again
+            try:
+                if event["event"] == zmq.EVENT_DISCONNECTED and self.alive:
+                    self._mark_down(f"engine {self.rank} disconnected")
+                elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED and self.info is not None and not self.alive:
+                    self._send(Hello(self.client_id))  # a restarted engine: register again
+            except Exception:
+                log.exception("engine %d: could not handle a connection event", self.rank)
+                self._resync("an error in the API server while watching the connection", "reader_error")
 
-    def _mark_down(self, reason: str) -> None:
-        log.error("%s; failing its %d in-flight requests", reason, len(self.streams))
+    def _mark_down(self, reason: str, log_level: int = logging.ERROR) -> None:
+        self._fail_all(reason, "engine_down", log_level)
         self.alive = False
         self._ready.clear()
-        failure = EngineUnavailable(reason)
-        for queue in self.streams.values():
-            queue.put_nowait(failure)
-        self.streams.clear()
 
     async def close(self) -> None:
         for task in self._tasks:

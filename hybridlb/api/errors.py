@@ -4,11 +4,14 @@
 from __future__ import annotations
 
 import json
+import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger(__name__)
 
 _TYPES = {
     400: "invalid_request_error",
@@ -18,13 +21,16 @@ _TYPES = {
     413: "invalid_request_error",
     429: "rate_limit_error",
     503: "service_unavailable_error",
+    504: "timeout_error",
 }
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 retry_after_s: int | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.retry_after_s = retry_after_s  # sent as Retry-After (429, 503)
 
     def body(self) -> dict:
         kind = _TYPES.get(self.status, "internal_error")
@@ -39,7 +45,8 @@ class _ErrorJSON(JSONResponse):
 
 
 def error_response(error: APIError) -> JSONResponse:
-    return _ErrorJSON(error.body(), status_code=error.status)
+    headers = {"Retry-After": str(error.retry_after_s)} if error.retry_after_s is not None else None
+    return _ErrorJSON(error.body(), status_code=error.status, headers=headers)
 
 
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
@@ -79,6 +86,11 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _invalid(_: Request, exc: RequestValidationError):
         message, param = _validation_message(exc)
         return error_response(APIError(400, message, param=param))
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception):
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):

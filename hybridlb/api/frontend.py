@@ -4,20 +4,24 @@
 stream back (stop strings included), records metrics, and, if the caller goes away
 before the end, aborts the request so the engine frees its KV blocks.
 
-Faults: a request whose engine dies before it produced anything is sent to another live
-engine of this node (the client never notices); one that already streamed tokens ends
-with an error. The node keeps serving while any of its engines is alive; ``problems``
-lists what is down for /health.
+Faults: a request whose engine dies (or whose outputs were lost) before it produced
+anything is sent to another live engine of this node (the client never notices); one that
+already streamed tokens ends with an error. So does one its engine has said nothing about
+for ``request_timeout_s``. An engine whose queue is full refuses a request, which then
+tries the node's other engines and, when every one is full, gets 429. The node keeps
+serving while any of its engines is alive; ``problems`` lists what is down for /health.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from hybridlb.api.admission import RETRY_AFTER_S, Slots
 from hybridlb.api.balance import choose_cache_aware, choose_engine
 from hybridlb.api.engine_client import EngineConnection, EngineUnavailable
 from hybridlb.api.errors import APIError
@@ -30,6 +34,9 @@ from hybridlb.protocol import LoadSnapshot, SamplingParams, TokenLogprobs
 
 log = logging.getLogger(__name__)
 COORDINATOR_SILENCE_S = 3.0  # three missed coordinator heartbeats
+_ERROR_STATUS = {"invalid": 400, "busy": 429, "internal": 500}
+STALL_S = 0.5  # a timer this late means the event loop (or the whole process) was stalled
+MAX_ATTEMPTS = 3  # sends of one request (to any engine of the node) before its failure reaches the client
 
 @dataclass
 class Delta:
@@ -47,8 +54,11 @@ class Delta:
 class Frontend:
     def __init__(self, engines: list[EngineConnection], tokenizer: Tokenizer, metrics: Metrics,
                  policy: str = "cache_aware", follows_coordinator: bool = False,
-                 sampling_defaults: dict | None = None):
+                 sampling_defaults: dict | None = None, slots: Slots | None = None,
+                 request_timeout_s: float = 0.0):
         self.engines = engines
+        self.slots = slots or Slots(0)
+        self.request_timeout_s = request_timeout_s or None
         self.sampling_defaults = sampling_defaults or {}  # the model's generation_config.json
         self.follows_coordinator = follows_coordinator
         self.snapshot_at = time.monotonic()  # start-up counts as a sign of life
@@ -164,6 +174,8 @@ class Frontend:
             live = [engine for engine in self.engines if engine.alive and engine.rank not in exclude]
             if not live:
                 raise APIError(503, "no engine is available on this node")
+            if all(engine.queue_full for engine in live):
+                raise self._all_busy()
             turn = next(self._turn)
             if self.policy == "round_robin":
                 engine = live[turn % len(live)]
@@ -176,6 +188,31 @@ class Frontend:
             raise APIError(503, f"engine {engine.rank} is not available")
         return engine
 
+    def _all_busy(self) -> APIError:
+        return APIError(429, "every engine of this node has a full queue (engine.max_queued_requests); retry shortly",
+                        code="too_many_requests", retry_after_s=RETRY_AFTER_S)
+
+    async def _next(self, queue: asyncio.Queue, engine: EngineConnection, request_id: str):
+        """The request's next output, or APIError(504) once its engine has been silent about it
+        for ``request_timeout_s``. A timer that fires late means this process was not running
+        (a stall: the engine's outputs may be waiting unread), so it starts over instead."""
+        if not queue.empty() or self.request_timeout_s is None:
+            return queue.get_nowait() if not queue.empty() else await queue.get()
+        loop = asyncio.get_running_loop()
+        while True:
+            deadline = loop.time() + self.request_timeout_s
+            try:
+                async with asyncio.timeout_at(deadline):
+                    return await queue.get()
+            except TimeoutError:
+                if loop.time() - deadline < STALL_S:
+                    break
+        self.metrics.lost_requests(engine.rank, "timeout")
+        log.error("engine %d sent nothing for request %s in %g s; failing it", engine.rank, request_id,
+                  self.request_timeout_s)
+        raise APIError(504, f"engine {engine.rank} sent nothing for this request in {self.request_timeout_s:g} s "
+                            "(api.request_timeout_s); it was aborted")
+
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                        rank: int | None = None) -> AsyncIterator[Delta]:
         """Stream the deltas of one request; raises APIError(503) if its engine dies.
@@ -185,23 +222,34 @@ class Frontend:
         """
         arrival = time.perf_counter()
         tried: set[int] = set()
-        engine, queue = self._submit(request_id, prompt_ids, params, rank, tried)
+        attempt, wire_id = 0, request_id  # each send has its own id: a late output of an earlier one is not this one's
+        engine, queue = self._submit(wire_id, prompt_ids, params, rank, tried)
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
         last_token_at, num_tokens, finished, yielded = None, 0, False, False
         timings: tuple[float | None, float | None] = (None, None)  # the engine's queue and prefill times
         ttft = None
         try:
             while not finished:
-                output = await queue.get()
-                if isinstance(output, EngineUnavailable):
-                    if yielded or rank is not None:
-                        raise APIError(503, f"{output}; the request was lost")
-                    log.warning("%s before request %s started; sending it to another engine", output, request_id)
-                    engine.release(request_id, abort=False)
-                    engine, queue = self._submit(request_id, prompt_ids, params, rank, tried)
+                output = await self._next(queue, engine, wire_id)
+                busy = not isinstance(output, EngineUnavailable) and output.error_kind == "busy" and output.error
+                if isinstance(output, EngineUnavailable) or busy:
+                    if yielded or rank is not None or attempt + 1 >= MAX_ATTEMPTS:
+                        raise self._failure(output)
+                    engine.release(wire_id, abort=False)  # refused, or already aborted by the connection
+                    again = not busy and output.reason != "engine_down"
+                    if again:
+                        tried.discard(engine.rank)  # alive: it may take the request again
+                    log.warning("%s before request %s started; sending it %s", f"engine {engine.rank} is full"
+                                if busy else output, request_id, "again" if again else "to another engine")
+                    attempt += 1
+                    wire_id = f"{request_id}~{attempt}"
+                    try:
+                        engine, queue = self._submit(wire_id, prompt_ids, params, rank, tried)
+                    except APIError as none_left:
+                        raise self._all_busy() if busy and none_left.status == 503 else none_left from None
                     continue
                 if output.error:
-                    raise APIError(400, output.error)
+                    raise self._failure(output)
                 now = time.perf_counter()
                 if output.queued_s is not None:
                     timings = (output.queued_s, output.prefill_s)
@@ -226,4 +274,13 @@ class Frontend:
                             output.prompt_logprobs)
         finally:
             # Not finished by the engine (stop string, client gone, error): stop it there too.
-            engine.release(request_id, abort=not finished or detok.stopped)
+            engine.release(wire_id, abort=not finished or detok.stopped)
+
+    def _failure(self, output) -> APIError:
+        """The client's error for an engine failure or an error output."""
+        if isinstance(output, EngineUnavailable):
+            return APIError(503, f"{output}; the request was lost")
+        status = _ERROR_STATUS.get(output.error_kind, 500)
+        if status == 429:
+            return APIError(429, output.error, code="too_many_requests", retry_after_s=RETRY_AFTER_S)
+        return APIError(status, output.error)

@@ -73,6 +73,10 @@ class EngineTotals(Collector):
         ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
          "prefix_queries"),
         ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", "prefix_hits"),
+        ("hybridlb:engine_orphaned_requests", "Requests the engine aborted because their API server was gone.",
+         "orphans_aborted"),
+        ("hybridlb:engine_step_failures", "Engine steps that raised (their requests failed with 500).",
+         "step_failures"),
     )
 
     def __init__(self, model_name: str):
@@ -146,6 +150,9 @@ class Metrics:
         self.rss = g("hybridlb:engine_resident_memory_bytes", "The engine process's resident memory.")
         self.dummy_steps = g("hybridlb:dummy_steps", "MoE lockstep: steps run with no work.")
         self.collective = g("hybridlb:dp_collective_seconds", "MoE lockstep: time in DP collectives.")
+        self.lost = Counter("hybridlb:lost_requests", "Requests failed after they reached an engine, by why: "
+                            "engine_down, lost_output (a gap in the engine's messages), timeout (no output for "
+                            "api.request_timeout_s), reader_error.", [*labels, "reason"], registry=r)
         self.wave = g("hybridlb:dp_current_wave", "MoE lockstep: the current wave.", ["model_name"])
         self.waves_completed = g("hybridlb:dp_waves_completed", "MoE lockstep: waves completed.", ["model_name"])
 
@@ -181,6 +188,9 @@ class Metrics:
     def update_waves(self, snapshot: LoadSnapshot) -> None:
         self.wave.labels(model_name=self.model_name).set(snapshot.current_wave)
         self.waves_completed.labels(model_name=self.model_name).set(snapshot.waves_completed)
+
+    def lost_requests(self, rank: int, reason: str, count: int = 1) -> None:
+        self.lost.labels(**self.labels(rank), reason=reason).inc(count)
 
     def first_token(self, rank: int, seconds: float) -> None:
         self.ttft.labels(**self.labels(rank)).observe(seconds)

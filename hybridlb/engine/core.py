@@ -7,6 +7,7 @@ between steps and forward the returned outputs.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING
 
@@ -25,6 +26,8 @@ if TYPE_CHECKING:  # torch and the model load only with the real runner (not a s
 
     from hybridlb.engine.model_runner import ModelRunner
 
+log = logging.getLogger(__name__)
+
 
 class EngineCore:
     def __init__(self, config: EngineConfig, dp: DPContext | None = None, runner: ModelRunner | None = None):
@@ -41,6 +44,7 @@ class EngineCore:
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.blocks)
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
+        self.step_failures = 0
         self.busy_s = 0.0
         self._rss = (0.0, 0.0)  # (when read, MiB): /proc is read at most once a second
 
@@ -50,6 +54,10 @@ class EngineCore:
         problem = self._check(request_id, prompt_token_ids, params)
         if problem:
             return RequestOutput(request_id, [], finish_reason="error", error=problem)
+        if len(self.scheduler.waiting) >= self.config.max_queued_requests:
+            return RequestOutput(request_id, [], finish_reason="error", error_kind="busy",
+                                 error=f"engine {self.rank} already has {len(self.scheduler.waiting)} requests "
+                                       "waiting (engine.max_queued_requests); retry shortly")
         room = self.max_model_len - len(prompt_token_ids)
         max_tokens = min(params.max_tokens or room, room)
         generator = self._generator(params.seed) if params.seed is not None else None
@@ -99,8 +107,28 @@ class EngineCore:
         return self.scheduler.has_work
 
     def step(self) -> list[RequestOutput]:
+        """One step of a dense engine. A step that raises fails only its own requests (an
+        expert-parallel engine steps through ``Lockstep``, where a failure breaks the group)."""
         chunks = self.scheduler.schedule()
-        return self.run_chunks(chunks) if chunks else []
+        if not chunks:
+            return []
+        try:
+            return self.run_chunks(chunks)
+        except Exception as exc:
+            return self._fail_step(chunks, exc)
+
+    def _fail_step(self, chunks: list[ScheduledChunk], exc: Exception) -> list[RequestOutput]:
+        log.exception("engine %d: a step of %d requests failed; failing those requests and serving on",
+                      self.rank, len(chunks))
+        self.step_failures += 1
+        error = f"engine {self.rank} failed to run this request: {type(exc).__name__}: {exc}"
+        outputs = []
+        for chunk in chunks:
+            request = self.requests.pop(chunk.request.request_id, None)
+            if request is not None:
+                self.scheduler.finish(request)
+                outputs.append(RequestOutput(request.request_id, [], "error", error=error, error_kind="internal"))
+        return outputs
 
     def run_chunks(self, chunks: list[ScheduledChunk]) -> list[RequestOutput]:
         """Run what ``scheduler.schedule()`` returned; sample, append, finish."""
@@ -156,6 +184,7 @@ class EngineCore:
             prefix_queries=self.blocks.queried_tokens,
             prefix_hits=self.blocks.hit_tokens,
             cached_blocks=self.blocks.num_cached,
+            step_failures=self.step_failures,
         )
 
     def _resident_mib(self) -> float:

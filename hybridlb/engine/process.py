@@ -34,6 +34,7 @@ from hybridlb.engine.kv_events import KVEventPublisher
 from hybridlb.engine.lockstep import Lockstep
 from hybridlb.engine.simulated import make_core
 from hybridlb.protocol import (
+    FRONT_END_SILENCE_S,
     AbortRequests,
     AddRequest,
     EngineOutputs,
@@ -51,7 +52,12 @@ from hybridlb.transport import connect_securely, serve_securely
 
 log = logging.getLogger(__name__)
 _STOP = object()
-STATS_HEARTBEAT_S = 1.0  # an idle engine still tells the coordinator it is alive this often
+_IO_FAILED = object()
+STATS_HEARTBEAT_S = 1.0  # an idle engine still tells the coordinator and its front ends it is alive this often
+
+
+class EngineFailed(RuntimeError):
+    """The engine cannot go on (its I/O thread died); the process exits 1."""
 
 
 class _IOThread(threading.Thread):
@@ -65,6 +71,11 @@ class _IOThread(threading.Thread):
         # Mandatory routing: a send to a front end that is gone fails instead of vanishing,
         # so the busy loop stops sending it stats (``gone``).
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # No limit on what waits for a slow front end (an API server stalled by a GC pause
+        # gets every output when it resumes); one that answers no ping is cut off instead.
+        self.router.setsockopt(zmq.SNDHWM, 0)
+        self.router.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+        self.router.setsockopt(zmq.HEARTBEAT_TIMEOUT, FRONT_END_SILENCE_S * 1000)
         self.router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         serve_securely(self.router, address, token)
         self.router.bind(address)
@@ -78,9 +89,21 @@ class _IOThread(threading.Thread):
             connect_securely(self.waves, waves, token)
             self.waves.connect(waves)
         self.inbox, self.rank = inbox, rank
-        self.gone: queue.SimpleQueue[bytes] = queue.SimpleQueue()  # identities of front ends that left
+        # Front ends a message could not reach: (identity, why). The busy loop aborts their requests.
+        self.gone: queue.SimpleQueue[tuple[bytes, str]] = queue.SimpleQueue()
 
     def run(self) -> None:
+        try:
+            self._loop()
+        except Exception:  # a bug: without this thread the engine is deaf, so it must not look alive
+            log.exception("engine %d: the I/O thread failed; stopping the engine", self.rank)
+            self.inbox.put(_IO_FAILED)
+        finally:
+            for sock in (self.router, self.outbox, self.waves):
+                if sock is not None:
+                    sock.close(linger=0)
+
+    def _loop(self) -> None:
         poller = zmq.Poller()
         for sock in (self.router, self.outbox, self.waves):
             if sock is not None:
@@ -90,24 +113,23 @@ class _IOThread(threading.Thread):
             if self.outbox in ready:
                 frames = self.outbox.recv_multipart()
                 if not frames[0]:  # empty identity: stop
-                    break
+                    return
                 self._forward(frames)
             if self.router in ready:
                 self._receive(self.router.recv_multipart())
             if self.waves is not None and self.waves in ready:
                 self._wave(self.waves.recv())
-        for sock in (self.router, self.outbox, self.waves):
-            if sock is not None:
-                sock.close(linger=0)
 
     def _forward(self, frames: list[bytes]) -> None:
         try:
             self.router.send_multipart(frames, zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             if exc.errno == zmq.EHOSTUNREACH:
-                self.gone.put(frames[0])
-            # else EAGAIN: that front end stopped reading and its queue is full; it misses this
-            # message, as it would have without mandatory routing
+                self.gone.put((frames[0], "it disconnected"))
+            elif exc.errno == zmq.EAGAIN:  # cannot happen without a send limit; never drop silently
+                self.gone.put((frames[0], "its queue is full"))
+            else:
+                raise
 
     def _wave(self, payload: bytes) -> None:
         try:
@@ -167,10 +189,13 @@ class EngineServer:
         self.outbox.connect(outbox_address)
         self.clients: set[bytes] = set()
         self.owners: dict[str, bytes] = {}
+        self.sent: dict[bytes, int] = {}  # per front end: EngineOutputs sent since its EngineReady
+        self.orphans_aborted = 0
         self.last_stats: EngineStats | None = None
         self.stats_seq = 0
         self.epoch = time.time_ns()
         self.last_beat = 0.0  # when stats last went to the coordinator
+        self.last_client_beat = 0.0  # when every front end last got a message
         self.stopping = False
         core.blocks.record_events = core.blocks.caching
         self.kv_events = None
@@ -201,7 +226,8 @@ class EngineServer:
                     self._route_output(route, output)
                 self._publish(route)
         finally:
-            self.outbox.send_multipart([b"", b""])
+            with contextlib.suppress(zmq.Again):  # an I/O thread that died reads no more
+                self.outbox.send_multipart([b"", b""], zmq.NOBLOCK)
             self.io.join(timeout=2)
             self.context.destroy(linger=0)
 
@@ -231,6 +257,8 @@ class EngineServer:
                 if item is _STOP:
                     self.stopping = True
                     return
+                if item is _IO_FAILED:
+                    raise EngineFailed("the I/O thread failed")
                 self._handle(route, *item)
                 item = self.inbox.get_nowait()
         except queue.Empty:
@@ -252,9 +280,23 @@ class EngineServer:
             ids = [i for i in message.request_ids if self.owners.get(i) == identity]
             for output in self.core.abort(ids):
                 self._route_output(route, output)
-        elif isinstance(message, Hello):
+        elif isinstance(message, Hello):  # a known front end starting over has given up on its requests
+            self._abort_owned(identity, "it registered again")
+            route.by_client.pop(identity, None)
             self.clients.add(identity)
+            self.sent[identity] = 0
             self._send(identity, self._ready())
+
+    def _abort_owned(self, identity: bytes, why: str) -> None:
+        """Abort every request of front end ``identity`` (nobody will read their outputs)."""
+        ids = [request_id for request_id, owner in self.owners.items() if owner == identity]
+        for request_id in ids:
+            del self.owners[request_id]
+        if ids:
+            self.core.abort(ids)
+            self.orphans_aborted += len(ids)
+            log.warning("engine %d: aborted %d requests of front end %s: %s", self.core.rank, len(ids),
+                        identity.decode(errors="replace"), why)
 
     def _ready(self) -> EngineReady:
         core = self.core
@@ -264,6 +306,7 @@ class EngineServer:
             block_size=core.blocks.block_size, eos_token_ids=sorted(core.eos_token_ids),
             dp_group=_in_dp_group(), simulated=core.config.simulate is not None,
             prefix_caching=core.blocks.caching, block_hash_seed=core.blocks.seed,
+            max_queued_requests=core.config.max_queued_requests,
         )
 
     def _route_output(self, route: _Route, output: RequestOutput) -> None:
@@ -274,14 +317,26 @@ class EngineServer:
             route.add(identity, output)
 
     def _publish(self, route: _Route) -> None:
+        while not self.io.gone.empty():
+            identity, why = self.io.gone.get()
+            self.clients.discard(identity)
+            self.sent.pop(identity, None)
+            route.by_client.pop(identity, None)
+            self._abort_owned(identity, why)
         stats = self._stats_if_changed()
         evicted = self._cache_events()
-        while not self.io.gone.empty():
-            self.clients.discard(self.io.gone.get())
-        for identity in self.clients if stats or evicted else route.by_client:
-            outputs = route.by_client.get(identity, [])
-            self._send(identity, EngineOutputs(self.core.rank, outputs, stats, evicted))
         now = time.monotonic()
+        beat = now - self.last_client_beat >= STATS_HEARTBEAT_S
+        if stats or evicted or beat:  # news for everyone; a heartbeat lets a front end see a lost last message
+            targets = self.clients | route.by_client.keys()
+            self.last_client_beat = now
+        else:
+            targets = route.by_client.keys()
+        carried = stats or (self.last_stats if beat else None)  # a heartbeat repeats the latest stats
+        for identity in targets:
+            seq = self.sent[identity] = self.sent.get(identity, 0) + 1
+            outputs = route.by_client.get(identity, [])
+            self._send(identity, EngineOutputs(self.core.rank, outputs, carried, evicted, seq))
         if stats or now - self.last_beat >= STATS_HEARTBEAT_S:
             self._to_coordinator(self.last_stats)
             self.last_beat = now
@@ -296,7 +351,7 @@ class EngineServer:
         return [event.block_hash for event in events if isinstance(event, Removed)]
 
     def _stats_if_changed(self) -> EngineStats | None:
-        stats = self.core.stats()
+        stats = msgspec.structs.replace(self.core.stats(), orphans_aborted=self.orphans_aborted)
         if self.lockstep is not None:
             stats = self.lockstep.annotate(stats)
         if self.last_stats is not None and _load(self.last_stats) == _load(stats):
@@ -313,6 +368,15 @@ def _in_dp_group() -> bool:
     """Whether this process joined a torch.distributed group (a simulated engine never loads torch)."""
     torch = sys.modules.get("torch")
     return torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _is_collective_failure(exc: Exception) -> bool:
+    """Whether ``exc`` came from torch.distributed (a peer of the expert-parallel group is gone)."""
+    torch = sys.modules.get("torch")
+    backend_error = getattr(getattr(torch, "distributed", None), "DistError", ()) if torch is not None else ()
+    text = str(exc).lower()
+    return (bool(backend_error) and isinstance(exc, backend_error)) or any(
+        word in text for word in ("gloo", "nccl", "connection closed by peer", "timed out"))
 
 
 def _load(stats: EngineStats) -> tuple:
@@ -346,7 +410,14 @@ def run_engine(config: EngineConfig, dp: DPContext, address: str, torch_threads:
         log.warning("engine %d is a %s: its speed says nothing about the model", dp.rank, server.core.describe())
     try:
         server.serve_forever()
-    except RuntimeError as exc:  # a collective failed: another rank of the group is gone
-        log.error("engine %d: the expert-parallel group broke (%s); exiting", dp.rank, exc)
+    except EngineFailed as exc:
+        log.error("engine %d: %s; exiting", dp.rank, exc)
+        raise SystemExit(1) from None
+    except Exception as exc:  # only a lockstep step raises here (a dense step fails just its requests)
+        if _is_collective_failure(exc):
+            log.error("engine %d: the expert-parallel group broke (%s); exiting", dp.rank, exc)
+        else:
+            log.exception("engine %d: a lockstep step failed; the other ranks cannot step without this one, "
+                          "so the engine exits", dp.rank)
         raise SystemExit(1) from None
     log.info("engine %d stopped", dp.rank)

@@ -1,0 +1,141 @@
+"""Each path that once lost a request without a word now fails it loudly: a step that
+raises, an I/O thread that dies, an exception in the API server's reader or in a stream."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from hybridlb.api.completions import Job, _sse
+from hybridlb.api.engine_client import EngineConnection, EngineUnavailable
+from hybridlb.config import EngineConfig
+from hybridlb.engine.client import EngineClient
+from hybridlb.engine.launch import start_engine, stop_engines, wait_until_ready
+from hybridlb.engine.process import EngineFailed, EngineServer
+from hybridlb.engine.simulated import make_core
+from hybridlb.protocol import SamplingParams
+
+LONG = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+SHORT = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+
+
+def _simulated(model: str, step_ms: float = 2) -> EngineConfig:
+    return EngineConfig(model=model, max_model_len=256, num_kv_blocks=64, simulate={"step_ms": step_ms})
+
+
+def test_a_failing_step_fails_only_its_requests(tiny_qwen3):
+    core = make_core(_simulated(tiny_qwen3))
+    core.add_request("a", [1, 2, 3], LONG)
+    core.add_request("b", [4, 5], LONG)
+    run = core.runner.run
+    core.runner.run = lambda chunks: 1 / 0
+    failed = core.step()
+    assert {(o.request_id, o.finish_reason, o.error_kind) for o in failed} == {("a", "error", "internal"),
+                                                                             ("b", "error", "internal")}
+    assert "ZeroDivisionError" in failed[0].error
+    assert not core.has_work and core.blocks.usage == 0.0 and core.stats().step_failures == 1
+    core.runner.run = run  # the engine serves on
+    core.add_request("c", [1, 2, 3], SHORT)
+    tokens = [t for _ in range(3) for o in core.step() for t in o.new_token_ids]
+    assert tokens == [1, 2, 3]
+
+
+def test_an_engine_whose_io_thread_dies_stops(tiny_qwen3, tmp_path, monkeypatch):
+    """Without its I/O thread an engine hears nothing: it must exit, not look alive."""
+    address = f"ipc://{tmp_path}/engine"
+    server = EngineServer(make_core(_simulated(tiny_qwen3)), address)
+
+    def broken(frames):
+        raise RuntimeError("a bug in decoding")
+
+    monkeypatch.setattr(server.io, "_receive", broken)
+    failure: list[BaseException] = []
+
+    def serve():
+        try:
+            server.serve_forever()
+        except BaseException as exc:
+            failure.append(exc)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    client = EngineClient(address)
+    client.send_hello()
+    thread.join(10)
+    client.close()
+    assert not thread.is_alive() and isinstance(failure[0], EngineFailed)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_qwen3, tmp_path_factory):
+    address = f"ipc://{tmp_path_factory.mktemp('ipc')}/engine-0"
+    process = start_engine(_simulated(tiny_qwen3, step_ms=20), rank=0, address=address, torch_threads=1)
+    try:
+        wait_until_ready([process], timeout_s=60)
+        yield process
+    finally:
+        stop_engines([process])
+
+
+def test_an_exception_in_the_reader_fails_requests_and_reconnects(engine):
+    """A stats callback that raises (a metrics bug): the request in flight fails with a reason,
+    the engine stops it, and the connection serves the next request."""
+    async def main():
+        context = zmq.asyncio.Context()
+        calls = []
+
+        def on_stats(stats):
+            calls.append(stats)
+            if len(calls) == 2:
+                raise ValueError("a metrics callback bug")
+
+        connection = EngineConnection(0, engine.address, "reader-test", context, on_stats=on_stats)
+        connection.start()
+        try:
+            await connection.wait_ready(30)
+            queue = connection.add("first", [1, 2, 3], LONG)
+            while True:
+                item = await asyncio.wait_for(queue.get(), 10)
+                if isinstance(item, EngineUnavailable):
+                    break
+                assert item.finish_reason is None, "the long request cannot have finished"
+            assert item.reason == "reader_error"
+            await connection.wait_ready(10)  # registered again
+            queue = connection.add("second", [1, 2, 3], SHORT)
+            tokens = []
+            while not (output := await asyncio.wait_for(queue.get(), 10)).finish_reason:
+                tokens += output.new_token_ids
+            return tokens + output.new_token_ids, connection.stats
+        finally:
+            await connection.close()
+            context.destroy(linger=0)
+
+    tokens, _ = asyncio.run(main())
+    assert tokens == [1, 2, 3]
+    client = EngineClient(engine.address)
+    client.hello(10)
+    while (batch := client.recv(5)) is not None and batch.stats is None:
+        pass
+    client.close()
+    assert batch.stats.num_running == 0  # 200 tokens take 4 s: the failed request was aborted
+
+
+def test_an_exception_in_a_stream_ends_it_with_an_error_event():
+    async def broken():
+        raise KeyError("a decode corner")
+        yield  # an async generator
+
+    job = Job("text_completion", "cmpl-1", "m", [[1]], [SHORT], include_usage=False)
+
+    async def main():
+        return [event async for event in _sse(None, job, [broken()])]
+
+    events = asyncio.run(main())
+    assert events[-1] == b"data: [DONE]\n\n"
+    error = json.loads(events[0][6:])["error"]
+    assert "KeyError" in error["message"] and error["type"] == "internal_error"
