@@ -7,7 +7,10 @@ import logging
 import os
 import resource
 import signal
+import stat
 import sys
+import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -86,3 +89,49 @@ def configure_logging(name: str) -> None:
         format=f"%(asctime)s %(levelname)s [{name}] %(message)s",
         datefmt="%H:%M:%S",
     )
+
+
+def private_dir(path: str | None = None) -> str:
+    """A directory only this user can enter (0700), for IPC sockets and metrics files: a new
+    temporary one, or ``path``, made if missing and refused if another user could enter it
+    (anyone who can connect to an engine's socket can send it requests)."""
+    if path is None:
+        return tempfile.mkdtemp(prefix="hybridlb-")  # mkdtemp makes it 0700
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    info = os.stat(path, follow_symlinks=False)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise PermissionError(f"{path} must be a directory of this user with mode 0700 (it holds the engines' "
+                              "sockets); remove it and start again")
+    return path
+
+
+def descendants(pid: int | None = None) -> list[int]:
+    """Every process below ``pid`` (default: this one), from /proc (Linux)."""
+    found, todo = [], [pid or os.getpid()]
+    while todo:
+        current = todo.pop()
+        try:
+            for task in Path(f"/proc/{current}/task").iterdir():
+                children = [int(child) for child in (task / "children").read_text().split()]
+                found += children
+                todo += children
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return found
+
+
+def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
+    """Wait until none of ``pids`` runs (zombies count as gone); return those still running."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        running = [pid for pid in pids if _running(pid)]
+        if not running or time.monotonic() > deadline:
+            return running
+        time.sleep(0.1)
+
+
+def _running(pid: int) -> bool:
+    try:
+        return "Z (zombie)" not in Path(f"/proc/{pid}/status").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False

@@ -43,7 +43,8 @@ def _is_free(port: int) -> bool:
 class Server:
     """One `hybridlb serve` process tree (one node)."""
 
-    def __init__(self, model: str, *flags: str, port: int | None = None):
+    def __init__(self, model: str, *flags: str, port: int | None = None, own_group: bool = False):
+        """``own_group``: a process group of its own, so a test can Ctrl-C it as a terminal would."""
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = model
@@ -53,7 +54,7 @@ class Server:
                    "--max-model-len", "512", "--kv-cache-gib", "0.05", *dtype, *flags]
         # If this test process dies, the server gets SIGTERM instead of living on.
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                        preexec_fn=die_with_parent)
+                                        preexec_fn=die_with_parent, start_new_session=own_group)
         self.lines: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
 

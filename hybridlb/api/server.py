@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import socket
+import threading
 from multiprocessing.synchronize import Event
 
 import uvicorn
@@ -27,6 +30,33 @@ def listen(host: str, port: int, shared: bool) -> socket.socket:
     return sock
 
 
+class _Server(uvicorn.Server):
+    """uvicorn, minus re-raising the signal that stopped it: SIGTERM or Ctrl-C (which the
+    whole process group gets) is an orderly stop here, answered with a graceful shutdown
+    and exit code 0, not a KeyboardInterrupt traceback."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():  # a Ray actor's thread
+            yield
+            return
+        previous = {sig: signal.signal(sig, self._stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _stop(self, *_) -> None:
+        self.should_exit = True
+
+
+def make_server(app, config: Config) -> uvicorn.Server:
+    """The HTTP server of one API server, for ``serve``'s processes and Ray's actors alike."""
+    return _Server(uvicorn.Config(app, log_level=config.api.log_level, access_log=False, loop="uvloop",
+                                  http="httptools", timeout_graceful_shutdown=3))
+
+
 def run_api_server(config: Config, spec: ApiServerSpec, host: str, port: int, shared_port: bool = False,
                    ready: Event | None = None) -> None:
     """Serve HTTP on ``host:port`` over ``spec.engines`` until SIGTERM; set ``ready`` once
@@ -37,8 +67,4 @@ def run_api_server(config: Config, spec: ApiServerSpec, host: str, port: int, sh
     lifecycle.die_with_parent()
     sock = listen(host, port, shared_port)
     app = create_app(config, spec, on_ready=ready.set if ready is not None else None)
-    server = uvicorn.Server(uvicorn.Config(
-        app, log_level=config.api.log_level, access_log=False, loop="uvloop", http="httptools",
-        timeout_graceful_shutdown=3,
-    ))
-    server.run(sockets=[sock])
+    make_server(app, config).run(sockets=[sock])

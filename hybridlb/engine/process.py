@@ -384,6 +384,16 @@ def _load(stats: EngineStats) -> tuple:
     return stats.num_running, stats.num_waiting, stats.kv_usage, stats.wave, stats.running
 
 
+def prepare_process(config: EngineConfig, torch_threads: int) -> None:
+    """What every engine process sets up before loading its model (``serve``'s processes and
+    Ray's actors alike): the allocator, and torch's threads (a simulated engine never imports torch)."""
+    lifecycle.tune_allocator()
+    if config.simulate is None:
+        import torch
+
+        torch.set_num_threads(torch_threads)
+
+
 def run_engine(config: EngineConfig, dp: DPContext, address: str, torch_threads: int,
                errors: multiprocessing.connection.Connection | None = None) -> None:
     """Entry point of an engine process: load the model, then serve until SIGTERM."""
@@ -391,11 +401,7 @@ def run_engine(config: EngineConfig, dp: DPContext, address: str, torch_threads:
     lifecycle.set_title(title)
     lifecycle.configure_logging(title)
     lifecycle.die_with_parent()
-    lifecycle.tune_allocator()
-    if config.simulate is None:
-        import torch
-
-        torch.set_num_threads(torch_threads)
+    prepare_process(config, torch_threads)
     try:
         server = EngineServer(make_core(config, dp), address)
     except Exception as exc:

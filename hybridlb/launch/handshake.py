@@ -13,10 +13,12 @@ import hashlib
 import hmac
 import json
 import logging
+import os
 import queue
 import socket
 import threading
 import time
+import uuid
 
 import msgspec
 import zmq
@@ -76,6 +78,11 @@ class HeadHandshake(threading.Thread):
         self.router = self.context.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.MAXMSGSIZE, HANDSHAKE_LIMIT)
+        # A send to a node that is gone fails (so a restarted node may take its ranks over),
+        # and one that answers no ping for HEAD_SILENCE_S counts as gone.
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.router.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+        self.router.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(HEAD_SILENCE_S * 1000))
         address = f"tcp://{dp.address}:{dp.rpc_port}"
         serve_securely(self.router, address, own.token or None)
         self.refusals = self.router.get_monitor_socket(HANDSHAKE_FAILED)
@@ -149,6 +156,10 @@ class HeadHandshake(threading.Thread):
             log.warning("dropped a malformed handshake message (%d bytes): %s", len(payload), describe(exc))
             return
         if isinstance(message, RegisterNode):
+            for old in self._replaced_by(identity, message):
+                log.info("node %r rejoined with ranks %d..%d; its old registration is gone", message.hostname,
+                         message.start_rank, message.start_rank + message.size_local - 1)
+                del self.nodes[old]
             problem = self._problem(identity, message)
             if problem:
                 log.error("rejected node %r (start rank %d): %s", message.hostname, message.start_rank, problem)
@@ -164,7 +175,22 @@ class HeadHandshake(threading.Thread):
             node = self.nodes[identity]
             self.engine_addresses.update(node.engine_addresses)
             self.ready_ranks.update(range(node.start_rank, node.start_rank + node.size_local))
+            if self.cluster_ready.is_set():  # a node that rejoined a running cluster
+                self._send(identity, ClusterReady(self.engine_addresses))
             self._check_barrier()
+
+    def _replaced_by(self, identity: bytes, node: RegisterNode) -> list[bytes]:
+        """Registrations ``node`` takes over: the same ranks from the same host (a restarted
+        node whose old connection is not closed yet), or overlapping ones of a node that is gone."""
+        ranks = set(range(node.start_rank, node.start_rank + node.size_local))
+        replaced = []
+        for other_id, other in self.nodes.items():
+            other_ranks = set(range(other.start_rank, other.start_rank + other.size_local))
+            if other_id == identity or not ranks & other_ranks:
+                continue
+            if (other.hostname == node.hostname and other_ranks == ranks) or not self._send(other_id, Heartbeat()):
+                replaced.append(other_id)
+        return replaced
 
     def _problem(self, identity: bytes, node: RegisterNode) -> str | None:
         own = self.own
@@ -200,8 +226,15 @@ class HeadHandshake(threading.Thread):
         for identity in self.nodes:
             self._send(identity, message)
 
-    def _send(self, identity: bytes, message) -> None:
-        self.router.send_multipart([identity, encoder.encode(message)])
+    def _send(self, identity: bytes, message) -> bool:
+        """Send; False if that node is gone (or not reading)."""
+        try:
+            self.router.send_multipart([identity, encoder.encode(message)], zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError as exc:
+            if exc.errno not in (zmq.EHOSTUNREACH, zmq.EAGAIN):
+                raise
+            return False
 
 
 class NodeLink:
@@ -213,6 +246,8 @@ class NodeLink:
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
+        # One identity for this process's life: after a reconnect the head still knows who we are.
+        self.socket.setsockopt(zmq.IDENTITY, f"node-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}".encode())
         connect_securely(self.socket, self.head, cluster_token(dp.cluster_token))
         self.transport = self.socket.get_monitor_socket(HANDSHAKE_FAILED)
         self.socket.connect(self.head)

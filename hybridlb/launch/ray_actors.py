@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import socket
 import tempfile
 import threading
@@ -22,17 +23,28 @@ def _node_ip() -> str:
     return ray.util.get_node_ip_address()
 
 
+def _runtime_path(cluster: str) -> str:
+    return os.path.join(tempfile.gettempdir(), f"hybridlb-ray-{cluster}")
+
+
 def _runtime_dir(cluster: str) -> str:
-    path = os.path.join(tempfile.gettempdir(), f"hybridlb-ray-{cluster}")
-    os.makedirs(path, exist_ok=True)
-    return path
+    """This machine's private directory (0700) of cluster ``cluster``: engine sockets, metrics files."""
+    from hybridlb import lifecycle
+
+    return lifecycle.private_dir(_runtime_path(cluster))
 
 
 @ray.remote(num_cpus=0)
-def free_ports(count: int) -> tuple[str, list[int]]:
-    """This node's IP and ``count`` ports free on it now (the coordinator's, fixed before it
-    starts so that a restarted coordinator binds the same addresses its peers know)."""
-    ip = _node_ip()
+def remove_runtime_dir(cluster: str) -> None:
+    """Run on each node by ``down``: nothing of the cluster stays in the temporary folder."""
+    shutil.rmtree(_runtime_path(cluster), ignore_errors=True)
+
+
+@ray.remote(num_cpus=0)
+def free_ports(count: int, host: str | None = None) -> tuple[str, list[int]]:
+    """``host`` (default: this node's IP) and ``count`` ports free on it now (the coordinator's,
+    fixed before it starts so that a restarted coordinator binds the same addresses its peers know)."""
+    ip = host or _node_ip()
     sockets = [socket.socket() for _ in range(count)]
     try:
         for s in sockets:
@@ -80,19 +92,18 @@ class Coordinator:
 
 @ray.remote
 class Engine:
-    def __init__(self, cluster: str, config, dp, node: int, port: int | None, threads: int):
-        """``port``: listen there on the node's IP (API servers on other nodes use it); else IPC.
-        A restarted engine binds the same address, so its API servers reconnect on their own."""
-        import torch
-
-        from hybridlb import lifecycle
-        from hybridlb.engine.process import EngineServer
+    def __init__(self, cluster: str, config, dp, node: int, port: int | None, threads: int,
+                 host: str | None = None):
+        """``port``: listen there on ``host`` (default: the node's IP; API servers on other nodes
+        use it); else IPC. A restarted engine binds the same address, so its API servers
+        reconnect on their own."""
+        from hybridlb.engine.process import EngineServer, prepare_process
         from hybridlb.engine.simulated import make_core
 
-        lifecycle.tune_allocator()
-        torch.set_num_threads(threads)
+        prepare_process(config, threads)
         self.rank, self.node, self.cluster = dp.rank, node, cluster
-        address = f"tcp://{_node_ip()}:{port}" if port else f"ipc://{_runtime_dir(cluster)}/engine-{dp.rank}"
+        address = (f"tcp://{host or _node_ip()}:{port}" if port
+                   else f"ipc://{_runtime_dir(cluster)}/engine-{dp.rank}")
         self.server = EngineServer(make_core(config, dp), address)  # engine.simulate: no model
         self.thread = threading.Thread(target=self._serve, name="engine", daemon=True)
         self.thread.start()
@@ -129,10 +140,12 @@ class Engine:
 @ray.remote
 class ApiServer:
     def __init__(self, cluster: str, config, spec, host: str, port: int, shared_port: bool):
-        import uvicorn
-
+        if shared_port:  # one /metrics for the node's API servers, whichever answers (as in serve)
+            metrics = os.path.join(_runtime_dir(cluster), f"metrics-node{spec.node}")
+            os.makedirs(metrics, mode=0o700, exist_ok=True)
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics  # before prometheus_client is imported
         from hybridlb.api.app import create_app
-        from hybridlb.api.server import listen
+        from hybridlb.api.server import listen, make_server
         from hybridlb.launch.ray_metrics import RayMetricsMirror
 
         self.cluster, self.spec, self.port = cluster, spec, port
@@ -141,8 +154,7 @@ class ApiServer:
         app = create_app(config, spec, on_ready=self.ready_event.set, observer=self.mirror)
         self.sock = listen(host, port, shared_port)
         self.host = _node_ip() if host in ("0.0.0.0", "::") else host
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level=config.api.log_level, access_log=False,
-                                                    timeout_graceful_shutdown=3))
+        self.server = make_server(app, config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
 

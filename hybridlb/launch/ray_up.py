@@ -24,10 +24,11 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from hybridlb import lifecycle
 from hybridlb.api.app import ApiServerSpec
 from hybridlb.config import Config
 from hybridlb.engine.dp_context import DPContext
-from hybridlb.launch.ray_actors import ApiServer, Coordinator, Engine, free_ports
+from hybridlb.launch.ray_actors import ApiServer, Coordinator, Engine, free_ports, remove_runtime_dir
 from hybridlb.model.spec import CheckpointError, load_spec
 from hybridlb.plan import ClusterPlan, NodePlan
 from hybridlb.transport import cluster_token
@@ -105,8 +106,11 @@ class Placement:
 class RayCluster:
     """The actors of one ``up``, started in order and stopped together."""
 
-    def __init__(self, config: Config, plan: ClusterPlan, detached: bool):
+    def __init__(self, config: Config, plan: ClusterPlan, detached: bool, private: bool = False):
+        """``private``: on the one-machine Ray cluster ``up`` started itself, so every socket
+        binds loopback (as ``serve``'s defaults do)."""
         self.config, self.plan, self.detached = config, plan, detached
+        self.host = "127.0.0.1" if private else None
         self.name = config.ray.name
         self.placement = Placement(config, plan)
         self.coordinator = None
@@ -137,7 +141,11 @@ class RayCluster:
     def _start_coordinator(self) -> dict:
         if not self.plan.coordinator:
             return {}
-        ip, ports = ray.get(free_ports.options(scheduling_strategy=self.placement.on(0)).remote(4), timeout=60)
+        ip, ports = ray.get(free_ports.options(scheduling_strategy=self.placement.on(0)).remote(4, self.host),
+                            timeout=60)
+        if self.host is None and not self.token:
+            log.warning("no cluster token: the coordinator listens on %s, beyond loopback, and any host that "
+                        "reaches it can inject load stats; set data_parallel.cluster_token", ip)
         options = self._options("coordinator", num_cpus=0, max_restarts=self.restarts)
         self.coordinator = Coordinator.options(**options).remote(self.name, self.plan.size, self.plan.lockstep,
                                                                  ip, ports, self.token)
@@ -154,7 +162,7 @@ class RayCluster:
                                         num_gpus=self.placement.gpus, max_restarts=self.restarts)
                 port = self.plan.engine_port(rank) if self.plan.remote_engines else None
                 self.engines[rank] = Engine.options(**options).remote(self.name, cfg.engine, dp, node.index, port,
-                                                                      threads)
+                                                                      threads, self.host)
 
     def _start_api_servers(self, addresses: dict[int, str], loads: str | None) -> None:
         for node in self.plan.nodes:
@@ -196,10 +204,11 @@ def up(config: Config, plan: ClusterPlan, detach: bool) -> int:
     if detach and not config.ray.address:
         raise UpError("--detach needs a Ray cluster that outlives this command: start one with "
                       "`ray start --head` and pass --address auto")
+    private = not config.ray.address  # a local Ray cluster of our own, gone when we return
     connect(config.ray.address, config.ray.namespace, sum(b["CPU"] for b in Placement(config, plan).bundles))
     if actor_name(config.ray.name, "pg") in _named(config.ray.namespace, prefix=f"hybridlb:{config.ray.name}:"):
         raise UpError(f"a cluster named {config.ray.name!r} is already up; `hybridlb down {config.ray.name}` first")
-    cluster = RayCluster(config, plan, detach)
+    cluster = RayCluster(config, plan, detach, private)
     stop = threading.Event()
     started = time.monotonic()
     try:
@@ -220,6 +229,25 @@ def up(config: Config, plan: ClusterPlan, detach: bool) -> int:
     finally:
         if not detach:
             cluster.stop()
+        if private:
+            _shutdown_private()
+
+
+def _shutdown_private() -> None:
+    """Stop the Ray cluster ``up`` started, and return only once its processes have exited."""
+    ray_processes = lifecycle.descendants()
+    ray.shutdown()
+    if left := lifecycle.wait_gone(ray_processes, timeout_s=20):
+        log.warning("%d processes of the local Ray cluster are still running: %s", len(left), left)
+
+
+def _remove_runtime_dirs(name: str, group) -> None:
+    """Remove the cluster's directory on each of its nodes (one task per bundle)."""
+    tasks = [remove_runtime_dir.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+        placement_group=group, placement_group_bundle_index=index)).remote(name)
+        for index in range(len(group.bundle_specs))]
+    with contextlib.suppress(Exception):
+        ray.get(tasks, timeout=20)
 
 
 def _named(namespace: str, prefix: str) -> list[str]:
@@ -267,7 +295,9 @@ def down(name: str, address: str | None = None, namespace: str = "hybridlb", qui
             ray.kill(ray.get_actor(actor_id, namespace), no_restart=True)
     groups = _groups(prefix)
     for group_name in groups:
-        remove_placement_group(ray.util.get_placement_group(group_name))
+        group = ray.util.get_placement_group(group_name)
+        _remove_runtime_dirs(name, group)
+        remove_placement_group(group)
     if not quiet:
         print(f"stopped {len(names)} actors and {len(groups)} placement group(s) of {name!r}")
     return 0 if names or groups else 1

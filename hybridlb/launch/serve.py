@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-import tempfile
+import shutil
 import time
 from multiprocessing.connection import wait
 
@@ -73,7 +73,7 @@ class Node:
 
     def __init__(self, config: Config, plan: ClusterPlan, node: NodePlan):
         self.config, self.plan, self.node = config, plan, node
-        self.runtime_dir = tempfile.mkdtemp(prefix="hybridlb-")
+        self.runtime_dir = lifecycle.private_dir()  # engine sockets, metrics files; removed at stop
         self.coordinator: multiprocessing.Process | None = None
         self.handshake: HeadHandshake | None = None
         self.link: NodeLink | None = None
@@ -216,6 +216,8 @@ class Node:
             if self.coordinator is not None:
                 watched[self.coordinator.sentinel] = ("coordinator", 0)
             for sentinel in wait([s for s in watched if s not in handled], timeout=0.5):
+                if self.stopping:  # Ctrl-C reaches every process of the group: their exits are expected
+                    break
                 handled.add(sentinel)
                 kind, index = watched[sentinel]
                 if not on_death[kind](index):
@@ -283,6 +285,7 @@ class Node:
                     process.join()
         if self.link is not None:
             self.link.close()
+        shutil.rmtree(self.runtime_dir, ignore_errors=True)
 
 
 def _describe(node: NodePlan) -> str:
@@ -301,6 +304,8 @@ def serve(config: Config, plan: ClusterPlan, node: NodePlan) -> int:
     runner = Node(config, plan, node)
 
     def terminate() -> None:
+        if not runner.stopping:
+            log.info("stopping")
         runner.stopping = True
         if not runner.started:  # still starting: interrupt whatever start-up is waiting on
             raise NodeStartError("interrupted while starting")

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import time
 from pathlib import Path
 
 import httpx
 
-from tests.servers import start_server
+from tests.servers import Server, start_server, start_servers
 
 
 def test_api_key_guards_every_v1_route(tiny_qwen3):
@@ -87,3 +88,18 @@ def _running(pid: int) -> bool:
         return "Z (zombie)" not in Path(f"/proc/{pid}/status").read_text()
     except FileNotFoundError:
         return False
+
+
+def test_ctrl_c_is_an_orderly_stop(tiny_qwen3):
+    """Ctrl-C reaches every process of the group: exit 0, INFO lines only, no traceback, and
+    the node's private socket directory is gone."""
+    (server,) = start_servers(Server(tiny_qwen3, "--data-parallel-size", "2", "--api-servers-per-node", "2",
+                                     own_group=True))
+    runtime_dir = Path(re.search(r"ipc://(/\S+)/engine-0", server.output).group(1))
+    assert runtime_dir.is_dir() and runtime_dir.stat().st_mode & 0o777 == 0o700
+    os.killpg(server.process.pid, signal.SIGINT)
+    assert server.process.wait(30) == 0
+    time.sleep(0.5)  # the reader thread drains the last lines
+    assert "Traceback" not in server.output and " ERROR " not in server.output, server.output
+    assert "stopping" in server.output
+    assert not runtime_dir.exists()

@@ -196,3 +196,29 @@ def test_several_api_servers_share_one_port_and_the_engines(tiny_qwen3):
         assert all(count > 60 // 3 for count in served.values()), served
     finally:
         assert node.stop() == 0
+
+
+def test_a_restarted_worker_rejoins_the_running_head(tiny_qwen3):
+    """Kill a worker node outright and start it again with the same flags (what a pod restart
+    does): it takes its ranks back and serves, the head replacing its old registration."""
+    import os
+    import signal
+
+    rpc = free_port_range(4)
+    head, worker = start_servers(Server(tiny_qwen3, *_dp_flags(2, 1, 0, rpc)),
+                                 Server(tiny_qwen3, *_dp_flags(2, 1, 1, rpc)))
+    try:
+        for pid in worker.children().values():
+            os.kill(pid, signal.SIGKILL)
+        worker.process.kill()
+        worker.process.wait(10)
+        (again,) = start_servers(Server(tiny_qwen3, *_dp_flags(2, 1, 1, rpc), port=worker.port))
+        try:
+            assert completion(again.url, again.model)["choices"][0]["text"]
+            assert "rejoined with ranks 1..1" in head.output, head.output
+            assert completion(head.url, head.model)["choices"][0]["text"]  # the head served on throughout
+        finally:
+            again.stop()
+    finally:
+        head.stop()
+        worker.stop()

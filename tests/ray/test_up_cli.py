@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -14,7 +15,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from hybridlb.lifecycle import die_with_parent
+from hybridlb.lifecycle import descendants, die_with_parent, wait_gone
 from tests.servers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,7 +46,11 @@ def test_up_local_config_serves_and_stops_on_ctrl_c(tmp_path):
         assert "Paris" in response.json()["choices"][0]["message"]["content"]
         ranks = httpx.get(f"http://127.0.0.1:{port}/ranks").json()
         assert ranks["ranks"] == [0, 1]
+        # A one-machine cluster keeps to loopback, as the README promises.
+        assert ranks["coordinator"].startswith("tcp://127.0.0.1:"), ranks["coordinator"]
+        assert Path(tempfile.gettempdir(), "hybridlb-ray-readme").stat().st_mode & 0o777 == 0o700
     finally:
+        ray_processes = descendants(process.pid)
         process.send_signal(signal.SIGINT)
         try:
             process.wait(60)
@@ -53,6 +58,8 @@ def test_up_local_config_serves_and_stops_on_ctrl_c(tmp_path):
             process.kill()
             raise
     assert process.returncode == 0, "".join(lines)
+    assert ray_processes and not wait_gone(ray_processes, 0), "up returned before its Ray cluster was gone"
+    assert not Path(tempfile.gettempdir(), "hybridlb-ray-readme").exists()
     with contextlib.suppress(httpx.HTTPError):
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
         raise AssertionError("the API server still answers after Ctrl-C")
