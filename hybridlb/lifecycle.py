@@ -99,9 +99,11 @@ def private_dir(path: str | None = None) -> str:
         return tempfile.mkdtemp(prefix="hybridlb-")  # mkdtemp makes it 0700
     os.makedirs(path, mode=0o700, exist_ok=True)
     info = os.stat(path, follow_symlinks=False)
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
-        raise PermissionError(f"{path} must be a directory of this user with mode 0700 (it holds the engines' "
-                              "sockets); remove it and start again")
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        raise PermissionError(f"{path} must be a directory of this user (it holds the engines' sockets), but it "
+                              "is not; remove it and start again")
+    if info.st_mode & 0o077:  # ours, left by an older version or another umask: close it
+        os.chmod(path, 0o700)
     return path
 
 

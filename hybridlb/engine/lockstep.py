@@ -58,6 +58,7 @@ class Lockstep:
         if self.ep.any_work:
             self.dummy_steps += 1
             self.core.runner.run([])  # no tokens, but joins every MoE layer's collectives
+            self.core.busy_s += time.perf_counter() - started  # a dummy step is busy time too
             return [], None
         finished = self.wave
         self.wave, self.running = finished + 1, False

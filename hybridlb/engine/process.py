@@ -323,10 +323,10 @@ class EngineServer:
             self.sent.pop(identity, None)
             route.by_client.pop(identity, None)
             self._abort_owned(identity, why)
-        stats = self._stats_if_changed()
-        evicted = self._cache_events()
         now = time.monotonic()
         beat = now - self.last_client_beat >= STATS_HEARTBEAT_S
+        stats = self._stats_if_changed(fresh=beat)
+        evicted = self._cache_events()
         if stats or evicted or beat:  # news for everyone; a heartbeat lets a front end see a lost last message
             targets = self.clients | route.by_client.keys()
             self.last_client_beat = now
@@ -350,11 +350,16 @@ class EngineServer:
             self.kv_events.serve_replay()
         return [event.block_hash for event in events if isinstance(event, Removed)]
 
-    def _stats_if_changed(self) -> EngineStats | None:
+    def _stats_if_changed(self, fresh: bool = False) -> EngineStats | None:
+        """New stats when the load changed; with ``fresh`` (a heartbeat) also when only what
+        rides along did (counters, busy time, memory), so no reader's view is more than a
+        heartbeat old."""
         stats = msgspec.structs.replace(self.core.stats(), orphans_aborted=self.orphans_aborted)
         if self.lockstep is not None:
             stats = self.lockstep.annotate(stats)
-        if self.last_stats is not None and _load(self.last_stats) == _load(stats):
+        last = self.last_stats
+        if last is not None and (msgspec.structs.replace(stats, seq=last.seq, epoch=last.epoch) == last if fresh
+                                 else _load(last) == _load(stats)):
             return None
         self.stats_seq += 1
         self.last_stats = msgspec.structs.replace(stats, seq=self.stats_seq, epoch=self.epoch)
@@ -380,7 +385,8 @@ def _is_collective_failure(exc: Exception) -> bool:
 
 
 def _load(stats: EngineStats) -> tuple:
-    """What makes stats news (dummy steps and busy time ride along with the next change)."""
+    """What makes stats news at once (dummy steps, busy time and counters ride along with the
+    next change, or the next heartbeat)."""
     return stats.num_running, stats.num_waiting, stats.kv_usage, stats.wave, stats.running
 
 
