@@ -182,13 +182,14 @@ class HeadHandshake(threading.Thread):
     def _replaced_by(self, identity: bytes, node: RegisterNode) -> list[bytes]:
         """Registrations ``node`` takes over: the same ranks from the same host (a restarted
         node whose old connection is not closed yet), or overlapping ones of a node that is gone."""
-        ranks = set(range(node.start_rank, node.start_rank + node.size_local))
+        first, last = node.start_rank, node.start_rank + node.size_local - 1  # intervals: never a set of them
         replaced = []
         for other_id, other in self.nodes.items():
-            other_ranks = set(range(other.start_rank, other.start_rank + other.size_local))
-            if other_id == identity or not ranks & other_ranks:
+            other_last = other.start_rank + other.size_local - 1
+            if other_id == identity or max(first, other.start_rank) > min(last, other_last):
                 continue
-            if (other.hostname == node.hostname and other_ranks == ranks) or not self._send(other_id, Heartbeat()):
+            same = other.hostname == node.hostname and (other.start_rank, other_last) == (first, last)
+            if same or not self._send(other_id, Heartbeat()):
                 replaced.append(other_id)
         return replaced
 

@@ -3,6 +3,8 @@ registrations that claim ranks they must not."""
 
 from __future__ import annotations
 
+import time
+
 import msgspec
 import pytest
 import zmq
@@ -141,3 +143,19 @@ def test_a_node_with_another_token_is_told_why(head, tiny_qwen3):
             link.join(registration(config, 1, 1, {}), timeout_s=10)
     finally:
         link.close()
+
+
+def test_a_node_that_is_gone_gives_its_ranks_to_the_next(head, context):
+    """Ranks held by a node whose connection closed go to the node that registers them next;
+    a node still connected keeps them."""
+    first = Node(context, head)
+    assert isinstance(first.register(start_rank=1, token=TOKEN), NodeAccepted)
+    rival = Node(context, head)
+    refused = msgspec.structs.replace(head.own, hostname="node-c", start_rank=1, token=TOKEN)
+    rival.socket.send(encoder.encode(refused))
+    assert isinstance(rival.next(), NodeRejected)  # node-b is still there
+    first.socket.close(linger=0)
+    time.sleep(0.5)  # the head sees the connection close
+    rival.socket.send(encoder.encode(refused))
+    assert isinstance(rival.next(), NodeAccepted)
+    assert [n.hostname for n in head.nodes.values()] == ["node-c"]
