@@ -24,7 +24,7 @@ from pathlib import Path
 
 import zmq
 import zmq.asyncio
-from common import checkpoint, free_port
+from common import checkpoint, free_port, stamp
 
 from hybridlb.api.app import ApiServerSpec
 from hybridlb.api.server import run_api_server
@@ -153,7 +153,7 @@ def main() -> None:
           f"{chunks['concurrency']} "
           f"(tiny model), API server CPU {chunks['api_server_cpu']:.0%} of a core")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"size": args.size, "concurrency": args.concurrency,
+    args.out.write_text(json.dumps({"meta": stamp(quick=args.quick), "size": args.size, "concurrency": args.concurrency,
                                     "engine_threads": args.engine_threads,
                                     "overhead": overhead, "chunk_rate": chunks}, indent=2))
     print(f"wrote {args.out}")

@@ -51,8 +51,29 @@ def smollm2_hf_dir(models_dir: Path) -> str:
     return str(path)
 
 
+def script_hash(script: Path) -> str:
+    """The version of a benchmark: its own source and the helpers every script shares."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for path in (script, Path(__file__)):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def cpu_name() -> str:
+    try:
+        return next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name"))
+    except (OSError, StopIteration):
+        import platform
+
+        return platform.processor() or platform.machine()
+
+
 def stamp(**extra) -> dict:
-    """What a result JSON records about how it was made: commit, date, command, machine."""
+    """What a result JSON records about how it was made: commit, script version, date,
+    command, machine. ``report.py`` marks a section stale when its script changed since."""
     import platform
     from datetime import UTC, datetime
     from importlib import metadata
@@ -61,9 +82,11 @@ def stamp(**extra) -> dict:
         run = subprocess.run(["git", *args], capture_output=True, text=True)
         return run.stdout.strip() if run.returncode == 0 else ""
 
+    script = Path(sys.argv[0]).resolve()
     return {"commit": git("rev-parse", "--short", "HEAD"), "dirty": bool(git("status", "--porcelain", "-uno")),
+            "script": script.name, "script_sha": script_hash(script),
             "date": datetime.now(UTC).isoformat(timespec="seconds"),
-            "command": " ".join(["python", *sys.argv]), "cpu_count": os.cpu_count(),
+            "command": " ".join(["python", *sys.argv]), "cpu_count": os.cpu_count(), "cpu": cpu_name(),
             "machine": platform.machine(), "torch": metadata.version("torch"), **extra}
 
 

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import httpx
 import msgspec
+from common import stamp
 from coordinator_scale import cpu_seconds, measure, print_row
 
 STEP_MS_RATE, STEP_MS_DP = 1.0, 20.0
@@ -313,7 +314,7 @@ def main() -> None:
                                  "output_len": OUTPUT, "rows": [dp_overhead(model, vocab, n, args.quick)
                                                                 for n in ranks]}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+    args.out.write_text(json.dumps({"meta": stamp(quick=args.quick), **result}, indent=2))
     print(f"wrote {args.out}")
 
 

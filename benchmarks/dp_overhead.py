@@ -1,8 +1,10 @@
 """What data parallelism behind one API server costs, and how well it balances. One run:
 
-1. Overhead: dense DP=2 behind one hybrid API server (with the coordinator) against two
-   independent single-engine servers given the same total load (half each), both with one
-   torch thread per engine; output throughput ratio (goal >= 0.97) and TTFT.
+1. Overhead: dense DP=2 on one node (hybrid LB, the coordinator, two API server processes
+   sharing the port and balancing over both engines) against two independent
+   single-engine servers given the same total load (half each): the same processes on
+   both sides (two API servers, two engines with one torch thread each), so the ratio is
+   what data parallelism itself costs; output throughput ratio (goal >= 0.97) and TTFT.
 2. Balance under a skewed workload (every 4th request long, as periodic traffic does):
    our least-loaded policy against round-robin on the same DP=2 server; per-engine busy
    time max / mean (1.0 is perfect) and P99 TTFT.
@@ -21,7 +23,7 @@ import re
 from pathlib import Path
 
 import httpx
-from common import Server, checkpoint, drive, free_port, vllm_executable
+from common import Server, checkpoint, drive, free_port, stamp, vllm_executable
 
 from hybridlb.model.tokenizer import Tokenizer
 
@@ -90,8 +92,8 @@ def main() -> None:
     rows, ratios = [], []
     for _ in range(args.rounds):  # alternate the two setups: this machine is shared and noisy
         pair = [
-            measure("hybridlb DP=2, one hybrid API server", [Server.hybridlb("dp2", model, "-dp", "2",
-                                                                             "--torch-threads", "1")], vocab),
+            measure("hybridlb DP=2, two API servers on one port", [Server.hybridlb(
+                "dp2", model, "-dp", "2", "--api-servers-per-node", "2", "--torch-threads", "1")], vocab),
             measure("hybridlb 2 independent servers (half each)",
                     [Server.hybridlb(f"solo{i}", model, "--torch-threads", "1") for i in range(2)], vocab),
         ]
@@ -111,7 +113,8 @@ def main() -> None:
     print("\n2. balance under skew (every 4th request 384 in / 192 out, the rest 16 / 16), DP=2")
     balance = [skewed(model, policy, vocab) for policy in ("least_loaded", "round_robin")]
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"size": args.size, "overhead": rows, "ratios": ratios, "ratio": ratio,
+    args.out.write_text(json.dumps({"meta": stamp(rounds=args.rounds), "size": args.size, "overhead": rows,
+                                    "ratios": ratios, "ratio": ratio,
                                     "balance": balance},
                                    indent=2))
     print(f"wrote {args.out}")

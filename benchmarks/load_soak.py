@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import platform
 import random
 import resource
@@ -33,11 +32,10 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 
 import httpx
-from common import Server, checkpoint, free_port
+from common import Server, checkpoint, free_port, stamp
 
 CONFIG = Path("configs/local.yaml")
 VOCAB = 1024  # the tiny checkpoint's vocabulary
@@ -80,9 +78,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def meta(args: argparse.Namespace) -> dict:
-    return {"date": datetime.now().isoformat(timespec="seconds"), "cpu_count": os.cpu_count(),
-            "machine": platform.machine(), "python": platform.python_version(), "quick": args.quick,
-            "command": " ".join(["python", *sys.argv])}
+    return stamp(python=platform.python_version(), quick=args.quick)
 
 
 # -- load -------------------------------------------------------------------------------------

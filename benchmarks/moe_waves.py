@@ -3,8 +3,9 @@
 1. The same decode-heavy load (16 in / 128 out, 16 concurrent, split over the ranks) on
    the `small` qwen3_moe checkpoint: one rank holding every expert, then EP over DP=2 with
    the per-step metadata exchange synchronous, then overlapped (async). Reported: mean
-   step time per engine, the share of it spent blocked on the metadata exchange, the
-   share in the MoE layers' collectives, TPOT and output throughput. Goal: coordination
+   step time per engine (real and dummy steps), the share of it spent blocked on the
+   metadata exchange and the share in the MoE layers' collectives (both of the same busy
+   time, dummy steps included), TPOT and output throughput. Goal: coordination
    (the metadata exchange) adds <= 5% to step time with async on.
 2. Skewed load (75% and 95% of the requests pinned to rank 0, 4 at a time): the
    fraction of each rank's steps that were dummy steps.
@@ -17,10 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import time
 from pathlib import Path
 
 import httpx
-from common import Server, checkpoint, drive, free_port
+from common import Server, checkpoint, drive, free_port, stamp
 
 from hybridlb.bench.serve import BenchArgs, make_prompts
 from hybridlb.model.tokenizer import Tokenizer
@@ -28,7 +30,12 @@ from hybridlb.model.tokenizer import Tokenizer
 INPUT, OUTPUT, PROMPTS, CONCURRENCY = 16, 128, 64, 16
 
 
+STATS_FRESH_S = 1.5  # an engine's counters reach /ranks with its next heartbeat (every second)
+
+
 def engines(url: str) -> dict[int, dict]:
+    """Every rank's counters as of now (after waiting out one engine heartbeat)."""
+    time.sleep(STATS_FRESH_S)
     return {e["rank"]: e for e in httpx.get(f"{url}/ranks").json()["engines"]}
 
 
@@ -49,7 +56,7 @@ def run_setup(name: str, model: str, vocab: int, flags: list[str]) -> dict:
     ranks = {}
     for rank, e in after.items():
         b = before.get(rank, {})
-        steps = max(1, delta(e, b, "steps")) if e.get("steps") else 1
+        steps = max(1, delta(e, b, "steps") + delta(e, b, "dummy_steps"))  # busy time includes dummy steps
         busy = delta(e, b, "busy_s")
         ranks[rank] = {"step_ms": 1000 * busy / steps, "meta_share": delta(e, b, "meta_s") / busy if busy else 0,
                        "collective_share": delta(e, b, "collective_s") / busy if busy else 0}
@@ -117,7 +124,7 @@ def main() -> None:
     ]
     skew = [skewed(model, vocab, share) for share in (0.75, 0.95)]
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"size": args.size, "setups": rows, "skew": skew}, indent=2))
+    args.out.write_text(json.dumps({"meta": stamp(), "size": args.size, "setups": rows, "skew": skew}, indent=2))
     print(f"wrote {args.out}")
 
 

@@ -25,6 +25,7 @@ from datetime import datetime
 from importlib import metadata
 from pathlib import Path
 
+from common import script_hash
 from report_sections import SECTIONS, Page, generic
 
 BENCHMARKS: dict[str, tuple[str, str, str]] = {  # name: title, command, what it measures
@@ -56,6 +57,7 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {  # name: title, command, what it
 }
 
 
+HERE = Path(__file__).resolve().parent
 DATES = "produced.tsv"  # in report/data/: benchmark name, when its JSON was produced
 
 
@@ -108,6 +110,19 @@ def command_of(name: str, data: dict) -> str:
     return command + (" --quick" if meta.get("quick") or data.get("quick") is True else "")
 
 
+def staleness(name: str, data: dict) -> str | None:
+    """Why ``data`` no longer describes what its script measures today, or None when current."""
+    meta = data.get("meta") if isinstance(data.get("meta"), dict) else {}
+    script = HERE / (meta.get("script") or command_of(name, {}).split()[1].removeprefix("benchmarks/"))
+    if not script.is_file():
+        return None  # not one of ours (a JSON of another tool)
+    if not meta.get("script_sha"):
+        return f"made by a version of `{script.name}` that did not record itself"
+    if meta["script_sha"] != script_hash(script):
+        return f"made by an older `{script.name}` (commit {meta.get('commit') or '?'}); it changed since"
+    return None
+
+
 def find(name: str, results: Path, data_dir: Path) -> Path | None:
     for folder in (results, data_dir):
         if (folder / f"{name}.json").is_file():
@@ -152,10 +167,13 @@ def add_section(page: Page, name: str, path: Path | None, data_dir: Path, dates:
     when = dates.setdefault(name, produced(path, data))
     page.text(f"Command: `{command_of(name, data)}` (run {when}; data: "
               f"[`report/data/{name}.json`](report/data/{name}.json))")
+    stale = staleness(name, data)
+    if stale:
+        page.text(f"**Stale**: these figures were {stale}; rerun the command above.")
     section, headline = section_of(name, data, page.images, page.plt)
     page.lines += section.lines
     page.pngs += section.pngs
-    return [link, headline or "see the section", when]
+    return [link, headline or "see the section", f"{when} (**stale**)" if stale else when]
 
 
 def section_of(name: str, data: dict, images: Path, plt) -> tuple[Page, str]:

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import yaml
-from common import free_port, tree_rss_mib
+from common import free_port, stamp, tree_rss_mib
 
 
 def timed_start(command: list[str]) -> tuple[subprocess.Popen, float]:
@@ -118,7 +118,7 @@ def main() -> None:
     print("\n2. three Ray nodes on this machine")
     three = three_nodes()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"local": local, "three_nodes": three}, indent=2))
+    args.out.write_text(json.dumps({"meta": stamp(), "local": local, "three_nodes": three}, indent=2))
     print(f"wrote {args.out}")
 
 

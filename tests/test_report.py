@@ -82,3 +82,22 @@ def test_report_re_renders_from_its_committed_data_copy(results, tmp_path):
     drop_date = [line for line in first.splitlines() if not line.startswith("Rendered ")]
     assert [line for line in again.splitlines() if not line.startswith("Rendered ")] == drop_date
     assert not (out / "report" / "stale.png").exists()
+
+
+def test_data_from_another_version_of_its_script_is_marked_stale(results, tmp_path):
+    sys.path.insert(0, "benchmarks")
+    try:
+        from common import script_hash
+    finally:
+        sys.path.remove("benchmarks")
+    current = load_result()
+    current["meta"] |= {"script": "load_soak.py", "script_sha": script_hash(Path("benchmarks/load_soak.py"))}
+    (results / "load.json").write_text(json.dumps(current))
+    older = soak_result()
+    older["meta"] |= {"script": "load_soak.py", "script_sha": "0" * 12, "commit": "abc1234"}
+    (results / "soak.json").write_text(json.dumps(older))
+    report = render(results, tmp_path / "out")
+    load, soak = report.split("## Load: 1,000 concurrent streams")[1].split("## Soak: memory under steady load")
+    assert "Stale" not in load
+    assert "**Stale**: these figures were made by an older `load_soak.py` (commit abc1234)" in soak
+    assert "2026-01-02 03:04 (**stale**)" in report  # the summary says it too
