@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 
+from hybridlb.lifecycle import wait_gone
 from tests.servers import Server, start_server, start_servers
 
 
@@ -84,10 +85,7 @@ def test_sigterm_stops_the_whole_tree(tiny_qwen3):
 
 def _running(pid: int) -> bool:
     """Alive and not a zombie waiting for init to reap it."""
-    try:
-        return "Z (zombie)" not in Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return False
+    return bool(wait_gone([pid], 0))
 
 
 def test_ctrl_c_is_an_orderly_stop(tiny_qwen3):

@@ -6,21 +6,13 @@ import ipaddress
 import os
 from pathlib import Path
 
+from hybridlb.lifecycle import descendants
 from tests.servers import Server
 
 
 def _tree(pid: int) -> list[int]:
     """``pid`` and all its descendants."""
-    found, todo = [], [pid]
-    while todo:
-        current = todo.pop()
-        found.append(current)
-        try:
-            for task in Path(f"/proc/{current}/task").iterdir():
-                todo += [int(child) for child in (task / "children").read_text().split()]
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-    return found
+    return [pid, *descendants(pid)]
 
 
 def _socket_inodes(pid: int) -> set[str]:
