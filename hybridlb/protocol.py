@@ -90,8 +90,9 @@ reads no further, so nothing is decoded or logged):
                           its PUB sockets take in only subscriptions)
     handshake             ``HANDSHAKE_LIMIT`` (1 MiB; a ``RegisterNode`` of 1,000 ranks is ~30 KiB)
 
-The limit is per frame: ZMQ buffers a multipart message whole, so these sockets (none
-authenticated) must only be reachable from the cluster's own network.
+The limit is per frame: ZMQ buffers a multipart message whole, so without a cluster token
+(which makes every TCP socket a CURVE server that an outsider cannot finish a handshake
+with) these sockets must only be reachable from the cluster's own network.
 """
 
 from __future__ import annotations
