@@ -161,8 +161,7 @@ def serve(
              "to answer to several.", rich_help_panel=VLLM_FLAGS)] = None,
     api_key: Annotated[str | None, typer.Option(help="Require 'Authorization: Bearer KEY' on /v1.", rich_help_panel=VLLM_FLAGS)] = None,
     max_concurrent_requests: Annotated[int | None, typer.Option(
-        help="Sequences (prompts x n) each API server works on at once; more get 429 (default 4096, 0: no "
-             "limit).")] = None,
+        help="Sequences (prompts x n) each API server works on at once; more get 429 (default 4096).")] = None,
     request_timeout: Annotated[float | None, typer.Option(
         help="Fail a request (504) its engine has said nothing about for this many seconds (default 300, "
              "0: never).")] = None,

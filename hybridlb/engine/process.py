@@ -1,10 +1,8 @@
 """The engine process: a thin ZMQ shell around EngineCore.
 
 Threads:
-* the I/O thread owns the ROUTER socket (see ``hybridlb.protocol``) and, for MoE with
-  expert parallelism, the SUB socket of the coordinator's wave messages. It decodes what
-  arrives into the inbox queue, and forwards what the busy loop puts in the outbox (an
-  inproc socket) to the right front end.
+* the I/O thread (``hybridlb.engine.io_thread``) owns the sockets front ends and the
+  coordinator's waves reach; it fills the inbox queue and forwards the outbox.
 * the main thread runs the busy loop: drain the inbox (blocking only when there is no
   work, so an idle engine sleeps), step the core (or, in lockstep, the wave), route
   outputs to their senders, publish load stats when they change.
@@ -30,11 +28,11 @@ from hybridlb.config import EngineConfig
 from hybridlb.engine.block_manager import Removed
 from hybridlb.engine.core import EngineCore
 from hybridlb.engine.dp_context import DPContext
+from hybridlb.engine.io_thread import IO_FAILED, IOThread
 from hybridlb.engine.kv_events import KVEventPublisher
 from hybridlb.engine.lockstep import Lockstep
 from hybridlb.engine.simulated import make_core
 from hybridlb.protocol import (
-    FRONT_END_SILENCE_S,
     AbortRequests,
     AddRequest,
     EngineOutputs,
@@ -43,117 +41,18 @@ from hybridlb.protocol import (
     Hello,
     RequestOutput,
     StartWave,
-    describe,
     encoder,
     engine_input_limit,
-    to_engine_decoder,
 )
-from hybridlb.transport import connect_securely, serve_securely
+from hybridlb.transport import connect_securely
 
 log = logging.getLogger(__name__)
 _STOP = object()
-_IO_FAILED = object()
 STATS_HEARTBEAT_S = 1.0  # an idle engine still tells the coordinator and its front ends it is alive this often
 
 
 class EngineFailed(RuntimeError):
     """The engine cannot go on (its I/O thread died); the process exits 1."""
-
-
-class _IOThread(threading.Thread):
-    """Moves frames between the ROUTER socket and the busy loop's queues."""
-
-    def __init__(self, context: zmq.Context, address: str, outbox_address: str, inbox: queue.Queue,
-                 waves: str | None, rank: int, max_message_bytes: int, token: str | None = None):
-        super().__init__(name="engine-io", daemon=True)
-        self.router = context.socket(zmq.ROUTER)
-        self.router.setsockopt(zmq.LINGER, 0)
-        # Mandatory routing: a send to a front end that is gone fails instead of vanishing,
-        # so the busy loop stops sending it stats (``gone``).
-        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        # No limit on what waits for a slow front end (an API server stalled by a GC pause
-        # gets every output when it resumes); one that answers no ping is cut off instead.
-        self.router.setsockopt(zmq.SNDHWM, 0)
-        self.router.setsockopt(zmq.HEARTBEAT_IVL, 1000)
-        self.router.setsockopt(zmq.HEARTBEAT_TIMEOUT, FRONT_END_SILENCE_S * 1000)
-        self.router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
-        serve_securely(self.router, address, token)
-        self.router.bind(address)
-        self.outbox = context.socket(zmq.PULL)
-        self.outbox.bind(outbox_address)
-        self.waves = None
-        if waves is not None:
-            self.waves = context.socket(zmq.SUB)
-            self.waves.setsockopt(zmq.LINGER, 0)
-            self.waves.setsockopt(zmq.SUBSCRIBE, b"")
-            connect_securely(self.waves, waves, token)
-            self.waves.connect(waves)
-        self.inbox, self.rank = inbox, rank
-        # Front ends a message could not reach: (identity, why). The busy loop aborts their requests.
-        self.gone: queue.SimpleQueue[tuple[bytes, str]] = queue.SimpleQueue()
-
-    def run(self) -> None:
-        try:
-            self._loop()
-        except Exception:  # a bug: without this thread the engine is deaf, so it must not look alive
-            log.exception("engine %d: the I/O thread failed; stopping the engine", self.rank)
-            self.inbox.put(_IO_FAILED)
-        finally:
-            for sock in (self.router, self.outbox, self.waves):
-                if sock is not None:
-                    sock.close(linger=0)
-
-    def _loop(self) -> None:
-        poller = zmq.Poller()
-        for sock in (self.router, self.outbox, self.waves):
-            if sock is not None:
-                poller.register(sock, zmq.POLLIN)
-        while True:
-            ready = dict(poller.poll())
-            if self.outbox in ready:
-                frames = self.outbox.recv_multipart()
-                if not frames[0]:  # empty identity: stop
-                    return
-                self._forward(frames)
-            if self.router in ready:
-                self._receive(self.router.recv_multipart())
-            if self.waves is not None and self.waves in ready:
-                self._wave(self.waves.recv())
-
-    def _forward(self, frames: list[bytes]) -> None:
-        try:
-            self.router.send_multipart(frames, zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
-            if exc.errno == zmq.EHOSTUNREACH:
-                self.gone.put((frames[0], "it disconnected"))
-            elif exc.errno == zmq.EAGAIN:  # cannot happen without a send limit; never drop silently
-                self.gone.put((frames[0], "its queue is full"))
-            else:
-                raise
-
-    def _wave(self, payload: bytes) -> None:
-        try:
-            message = to_engine_decoder.decode(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            log.warning("dropped a malformed wave message: %s", describe(exc))
-            return
-        if isinstance(message, StartWave) and message.rank != self.rank:
-            self.inbox.put((b"", message))
-
-    def _receive(self, frames: list[bytes]) -> None:
-        if len(frames) != 2:
-            log.warning("dropped a message of %d frames (expected identity + payload)", len(frames))
-            return
-        identity, payload = frames
-        try:
-            message = to_engine_decoder.decode(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            log.warning("dropped a malformed message (%d bytes): %s", len(payload), describe(exc))
-            return
-        if isinstance(message, StartWave):  # only the coordinator starts waves, on its own socket
-            log.warning("dropped a StartWave sent by a front end")
-            return
-        self.inbox.put((identity, message))
 
 
 @dataclass
@@ -182,7 +81,7 @@ class EngineServer:
         self.inbox: queue.Queue = queue.Queue()
         outbox_address = f"inproc://outbox-{uuid.uuid4().hex}"
         waves = dp.coordinator_waves if self.lockstep else None
-        self.io = _IOThread(self.context, address, outbox_address, self.inbox, waves, dp.rank,
+        self.io = IOThread(self.context, address, outbox_address, self.inbox, waves, dp.rank,
                             engine_input_limit(core.max_model_len), dp.token)
         self.outbox = self.context.socket(zmq.PUSH)
         self.outbox.setsockopt(zmq.LINGER, 0)
@@ -257,7 +156,7 @@ class EngineServer:
                 if item is _STOP:
                     self.stopping = True
                     return
-                if item is _IO_FAILED:
+                if item is IO_FAILED:
                     raise EngineFailed("the I/O thread failed")
                 self._handle(route, *item)
                 item = self.inbox.get_nowait()
