@@ -353,6 +353,20 @@ def describe(error: Exception) -> str:
     return text if len(text) <= 300 else text[:300] + "..."
 
 
+def decode_routed(frames: list[bytes], decoder: msgspec.msgpack.Decoder, log, what: str = "message"):
+    """(identity, message) from the frames a ROUTER received, or None after one warning line
+    saying why they were dropped (the wrong frame count, undecodable, the wrong type)."""
+    if len(frames) != 2:
+        log.warning("dropped a %s of %d frames (expected identity + payload)", what, len(frames))
+        return None
+    identity, payload = frames
+    try:
+        return identity, decoder.decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        log.warning("dropped a malformed %s (%d bytes): %s", what, len(payload), describe(exc))
+        return None
+
+
 encoder = msgspec.msgpack.Encoder()
 to_engine_decoder = msgspec.msgpack.Decoder(ToEngine)
 from_engine_decoder = msgspec.msgpack.Decoder(FromEngine)

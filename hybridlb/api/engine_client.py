@@ -156,8 +156,8 @@ class EngineConnection:
     def _in_sequence(self, seq: int) -> bool:
         """Check an EngineOutputs number: False for a duplicate (skip it); a gap fails every
         request of this connection, since any of them may have lost its finish."""
-        if seq == 0 or not self.alive:  # an engine that does not number (older), or not ours yet
-            return self.alive
+        if not self.alive:  # outputs from before we (re)registered: their requests are failed already
+            return False
         if seq <= self.seq:
             log.warning("engine %d: skipped a repeated message (%d after %d)", self.rank, seq, self.seq)
             return False

@@ -196,8 +196,10 @@ class Frontend:
         """The request's next output, or APIError(504) once its engine has been silent about it
         for ``request_timeout_s``. A timer that fires late means this process was not running
         (a stall: the engine's outputs may be waiting unread), so it starts over instead."""
-        if not queue.empty() or self.request_timeout_s is None:
-            return queue.get_nowait() if not queue.empty() else await queue.get()
+        if not queue.empty():
+            return queue.get_nowait()
+        if self.request_timeout_s is None:
+            return await queue.get()
         loop = asyncio.get_running_loop()
         while True:
             deadline = loop.time() + self.request_timeout_s

@@ -16,7 +16,7 @@ import threading
 import msgspec
 import zmq
 
-from hybridlb.protocol import FRONT_END_SILENCE_S, StartWave, describe, to_engine_decoder
+from hybridlb.protocol import FRONT_END_SILENCE_S, StartWave, decode_routed, describe, to_engine_decoder
 from hybridlb.transport import connect_securely, serve_securely
 
 log = logging.getLogger(__name__)
@@ -104,15 +104,9 @@ class IOThread(threading.Thread):
             self.inbox.put((b"", message))
 
     def _receive(self, frames: list[bytes]) -> None:
-        if len(frames) != 2:
-            log.warning("dropped a message of %d frames (expected identity + payload)", len(frames))
+        if (routed := decode_routed(frames, to_engine_decoder, log)) is None:
             return
-        identity, payload = frames
-        try:
-            message = to_engine_decoder.decode(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            log.warning("dropped a malformed message (%d bytes): %s", len(payload), describe(exc))
-            return
+        identity, message = routed
         if isinstance(message, StartWave):  # only the coordinator starts waves, on its own socket
             log.warning("dropped a StartWave sent by a front end")
             return

@@ -20,7 +20,6 @@ import threading
 import time
 import uuid
 
-import msgspec
 import zmq
 
 from hybridlb.config import Config
@@ -34,7 +33,7 @@ from hybridlb.protocol import (
     NodeRejected,
     RegisterNode,
     Shutdown,
-    describe,
+    decode_routed,
     encoder,
     from_head_decoder,
     to_head_decoder,
@@ -146,15 +145,9 @@ class HeadHandshake(threading.Thread):
             self._check_barrier()
 
     def _receive(self, frames: list[bytes]) -> None:
-        if len(frames) != 2:
-            log.warning("dropped a handshake message of %d frames (expected identity + payload)", len(frames))
+        if (routed := decode_routed(frames, to_head_decoder, log, "handshake message")) is None:
             return
-        identity, payload = frames
-        try:
-            message = to_head_decoder.decode(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            log.warning("dropped a malformed handshake message (%d bytes): %s", len(payload), describe(exc))
-            return
+        identity, message = routed
         if isinstance(message, RegisterNode):
             for old in self._replaced_by(identity, message):
                 log.info("node %r rejoined with ranks %d..%d; its old registration is gone", message.hostname,
