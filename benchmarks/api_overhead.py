@@ -2,12 +2,13 @@
 
 One engine process and one API server process over it. The same random workload
 (token-id prompts, ``--ignore-eos``) runs (a) through HTTP streaming completions and (b)
-directly over the engine's ZMQ socket, alternating, twice each; the ratio of output
-throughputs is the API server's overhead. A second phase floods the API server with
+directly over the engine's ZMQ socket, alternating, ``--rounds`` times (3); each round's
+ratio of output throughputs is the API server's overhead, reported as the median and
+the spread. A second phase floods the API server with
 short requests on the tiny model to find the most streamed chunks per second one API
 server process sustains, with its CPU use.
 
-    python benchmarks/api_overhead.py [--size small] [--concurrency 64]
+    python benchmarks/api_overhead.py [--size small] [--concurrency 64] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import json
 import multiprocessing
 import os
 import random
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -92,7 +94,7 @@ def overhead_phase(model: str, args) -> dict:
                       max_concurrency=args.concurrency, ignore_eos=True, progress=False)
     rows = {"http": [], "direct": []}
     try:
-        for _ in range(2):
+        for _ in range(args.rounds):
             rows["direct"].append(asyncio.run(direct(engine.address, prompts, args.output_len, args.concurrency)))
             results, duration = asyncio.run(run_benchmark(bench, prompts))
             summary = summarize(bench, results, duration)
@@ -102,8 +104,9 @@ def overhead_phase(model: str, args) -> dict:
         api.terminate()
         api.join()
         stop_engines([engine])
-    http, raw = max(rows["http"]), max(rows["direct"])
-    return {"http_tok_s": rows["http"], "direct_tok_s": rows["direct"], "ratio_best": http / raw}
+    ratios = [http / raw for http, raw in zip(rows["http"], rows["direct"], strict=True)]
+    return {"http_tok_s": rows["http"], "direct_tok_s": rows["direct"], "ratios": ratios,
+            "ratio_median": statistics.median(ratios)}
 
 
 def chunk_rate_phase(model: str, concurrency: int, num_prompts: int, threads: int) -> dict:
@@ -133,6 +136,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--engine-threads", type=int, default=os.cpu_count() or 1,
                         help="torch threads of the engine (default: every core, as serve gives one engine)")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating HTTP / direct rounds")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/api_overhead.json"))
     parser.add_argument("--quick", action="store_true", help="tiny model, few requests: checks the script works")
     args = parser.parse_args()
@@ -144,16 +148,16 @@ def main() -> None:
     overhead = overhead_phase(models[args.size], args)
     chunks = chunk_rate_phase(models["tiny"], concurrency=chunk_concurrency, num_prompts=chunk_prompts,
                               threads=args.engine_threads)
-    print(f"\n{'path':<28}{'output tok/s (2 runs)':>28}")
+    print(f"\n{'path':<28}{f'output tok/s ({args.rounds} rounds)':>28}")
     print(f"{'HTTP + API server':<28}{', '.join(f'{v:.0f}' for v in overhead['http_tok_s']):>28}")
     print(f"{'direct to engine (ZMQ)':<28}{', '.join(f'{v:.0f}' for v in overhead['direct_tok_s']):>28}")
-    print(f"ratio (best HTTP / best direct) at concurrency {args.concurrency}, {args.size}: "
-          f"{overhead['ratio_best']:.3f}")
+    print(f"HTTP / direct per round at concurrency {args.concurrency}, {args.size}: "
+          f"{', '.join(f'{r:.3f}' for r in overhead['ratios'])}; median {overhead['ratio_median']:.3f}")
     print(f"one API server process: {chunks['chunks_per_s']:.0f} streamed chunks/s at concurrency "
           f"{chunks['concurrency']} "
           f"(tiny model), API server CPU {chunks['api_server_cpu']:.0%} of a core")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"meta": stamp(quick=args.quick), "size": args.size, "concurrency": args.concurrency,
+    args.out.write_text(json.dumps({"meta": stamp(quick=args.quick, rounds=args.rounds), "size": args.size, "concurrency": args.concurrency,
                                     "engine_threads": args.engine_threads,
                                     "overhead": overhead, "chunk_rate": chunks}, indent=2))
     print(f"wrote {args.out}")

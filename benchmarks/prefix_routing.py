@@ -23,7 +23,7 @@ its running requests, so ``least_loaded`` misses little; at 0.3 GiB a rank holds
 half of them, the regime where it matters which rank a prompt goes to (vLLM's space is
 whole GiB, so it sits that setting out). Each setting keeps its own rows in the JSON.
 
-    python benchmarks/prefix_routing.py [--rounds 2] [--no-vllm] [--kv-cache-gib 0.3]
+    python benchmarks/prefix_routing.py [--rounds 3] [--no-vllm] [--kv-cache-gib 0.3]
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def measure(server: Server, vocab: int, round_seed: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--models-dir", type=Path, default=Path("models"))
     parser.add_argument("--no-vllm", action="store_true", help="hybridlb's configurations only")
     parser.add_argument("--kv-cache-gib", type=float, default=1.0, help="each hybridlb engine's KV cache")

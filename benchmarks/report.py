@@ -30,7 +30,8 @@ from report_sections import SECTIONS, Page, generic
 
 BENCHMARKS: dict[str, tuple[str, str, str]] = {  # name: title, command, what it measures
     "engine_throughput": ("Engine throughput vs transformers", "python benchmarks/engine_throughput.py",
-                          "Offline engine against transformers `generate()` on the small dense and MoE checkpoints."),
+                          "Offline engine against transformers `generate()` on the real SmolLM2-135M "
+                          "(`--models dense,moe` adds the small random checkpoints)."),
     "api_overhead": ("API server overhead", "python benchmarks/api_overhead.py",
                      "The same load through HTTP and straight to the engine's socket; one API server's chunk rate."),
     "vs_vllm": ("hybridlb vs vLLM", "python benchmarks/vs_vllm.py",

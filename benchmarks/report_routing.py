@@ -17,6 +17,12 @@ def prefix_routing(page, data: dict) -> str:
                    [[name, w, r["output_tok_s"], vs(r, base.get(w), "output_tok_s"), r["p50_ttft_ms"],
                      vs(r, base.get(w), "p50_ttft_ms"), r["p99_ttft_ms"], r["mean_tpot_ms"], f"{r['hit_rate']:.0%}",
                      r["failed"]] for name, workloads in table.items() for w, r in workloads.items()])
+        if run.get("raw"):
+            page.text("Output tok/s in each round (the spread the medians above hide):")
+            page.table(["server", "workload", "per round", "min", "max"],
+                       [[name, w, ", ".join(f"{r['output_tok_s']:.0f}" for r in rows),
+                         min(r["output_tok_s"] for r in rows), max(r["output_tok_s"] for r in rows)]
+                        for name, workloads in run["raw"].items() for w, rows in workloads.items() if rows])
     table = next(iter(data["settings"].values()))["results"]
     aware, base, vllm = (table.get(k, {}).get("system") for k in ("hybridlb:cache_aware", "hybridlb:least_loaded",
                                                                   "vllm"))

@@ -7,6 +7,7 @@ one-line headline for the summary. ``benchmarks/report.py`` drives them.
 
 from __future__ import annotations
 
+import statistics
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
@@ -75,8 +76,14 @@ def bars(ax, groups: list[str], series: dict[str, list[float]], ylabel: str, tit
         ax.legend(fontsize=7)
 
 
+ARCHES = {"smollm2": "SmolLM2-135M", "dense": "qwen3", "moe": "qwen3_moe"}  # engine_throughput.py --models
+
+
 def engine_throughput(page: Page, data: dict) -> str:
     rows, outside = [], []
+    current = data.get("meta", {}).get("script_sha")
+    older = [r for r in data["results"] if (r.get("meta") or {}).get("script_sha") != current]
+    data = {**data, "results": [r for r in data["results"] if r not in older]}
     for r in data["results"]:
         m = r["mixed"]
         for key, theirs in ((k, v) for k, v in m.items() if k.startswith("transformers_")):
@@ -98,49 +105,27 @@ def engine_throughput(page: Page, data: dict) -> str:
                  "output tok/s", r["arch"])
 
     page.figure("engine_throughput", "output tok/s, hybridlb vs transformers", draw, len(data["results"]))
+    if older:
+        page.text("Not shown: models measured by an older `engine_throughput.py` (rerun with `--models "
+                  + ",".join(k for k, v in ARCHES.items() if v in {r["arch"] for r in older}) + "` to bring them back): "
+                  + ", ".join(f"{r['arch']} (commit {(r.get('meta') or {}).get('commit', '?')})" for r in older) + ".")
     return "; ".join(f"{r['arch']} mixed {r['mixed']['ratio_vs_best_transformers']:.2f}x best transformers"
                      for r in data["results"])
 
 
 def api_overhead(page: Page, data: dict) -> str:
     o, c = data["overhead"], data["chunk_rate"]
-    page.table(["path", "output tok/s per run"],
+    page.table(["path", "output tok/s per round"],
                [["HTTP + API server", o["http_tok_s"]], ["direct to the engine (ZMQ)", o["direct_tok_s"]]])
-    page.text(f"Best HTTP / best direct: **{o['ratio_best']:.3f}** ({data.get('size', '?')} model, concurrency "
-              f"{data.get('concurrency', '?')}). One API server process streamed **{c['chunks_per_s']:.0f} "
-              f"chunks/s** at concurrency {c['concurrency']} (tiny model) using {c['api_server_cpu']:.0%} of a core.")
+    ratio = o.get("ratio_median", o.get("ratio_best"))
+    page.text(f"HTTP / direct per round {cell(o.get('ratios', []))}, median **{ratio:.3f}** ({data.get('size', '?')} "
+              f"model, concurrency {data.get('concurrency', '?')}). One API server process streamed "
+              f"**{c['chunks_per_s']:.0f} chunks/s** at concurrency {c['concurrency']} (tiny model) using "
+              f"{c['api_server_cpu']:.0%} of a core.")
     page.figure("api_overhead", "HTTP vs direct output tok/s", lambda ax: bars(
-        ax, ["HTTP + API server", "direct (ZMQ)"], {"best run": [max(o["http_tok_s"]), max(o["direct_tok_s"])]},
-        "output tok/s"))
-    return f"HTTP/direct {o['ratio_best']:.2f}; {c['chunks_per_s']:.0f} chunks/s per API server"
-
-
-def vs_vllm(page: Page, data: dict) -> str:
-    ratios = []
-    for size, rows in data["results"].items():
-        page.text(f"**{size if ' ' in size else size + ' qwen3'}**")
-        page.table(["server", "in / out", "concurrency", "output tok/s", "mean TTFT ms", "P99 TTFT ms",
-                    "mean TPOT ms", "failed", "RSS MiB", "per engine MiB"],
-                   [[r["server"], f"{r['input']} / {r['output']}", r["concurrency"], r["output_tok_s"],
-                     r["mean_ttft_ms"], r["p99_ttft_ms"], r["mean_tpot_ms"], r["failed"], r.get("rss_mib", ""),
-                     ", ".join(map(str, r.get("engine_rss_mib", [])))]
-                    for r in rows])
-        by = {(r["server"], r["input"], r["output"], r["concurrency"]): r["output_tok_s"] for r in rows}
-        ratios += [v / by[("vllm", *k[1:])] for k, v in by.items() if k[0] == "hybridlb" and ("vllm", *k[1:]) in by]
-
-    def draw(*axes):
-        for ax, (size, rows) in zip(axes, data["results"].items(), strict=True):
-            shapes = sorted({(r["input"], r["output"], r["concurrency"]) for r in rows})
-            tok = {(r["server"], r["input"], r["output"], r["concurrency"]): r["output_tok_s"] for r in rows}
-            bars(ax, [f"{i}/{o} c{c}" for i, o, c in shapes],
-                 {s: [tok.get((s, *shape), 0) for shape in shapes] for s in ("hybridlb", "vllm")},
-                 "output tok/s", size if " " in size else f"{size} qwen3")
-
-    page.figure("vs_vllm", "output tok/s, hybridlb vs vLLM", draw, len(data["results"]))
-    if data.get("vllm_bench_serve_against_hybridlb"):
-        page.text("`vllm bench serve` against hybridlb (API compatibility):")
-        page.code(data["vllm_bench_serve_against_hybridlb"])
-    return f"hybridlb/vLLM output tok/s {min(ratios):.2f}-{max(ratios):.2f}x" if ratios else ""
+        ax, ["HTTP + API server", "direct (ZMQ)"],
+        {"median round": [statistics.median(o["http_tok_s"]), statistics.median(o["direct_tok_s"])]}, "output tok/s"))
+    return f"HTTP/direct {ratio:.2f}; {c['chunks_per_s']:.0f} chunks/s per API server"
 
 
 def dp_overhead(page: Page, data: dict) -> str:
@@ -249,9 +234,13 @@ def soak(page: Page, data: dict) -> str:
     page.text(f"{duration} at concurrency {c['concurrency']} (first {c['warmup_s']:.0f} s "
               f"warm-up), RSS sampled every {c['interval_s']:.0f} s: **{data['completed']}** requests done, "
               f"**{data['failed']}** failed, healthy after: {data['healthy_after']}. Verdict **{data['verdict']}** "
-              f"(no failures and every slope < {c['max_slope_mib_per_min']} MiB/min after warm-up).")
-    page.table(["process", "RSS after warm-up MiB", "RSS at end MiB", "slope MiB/min", "flat"],
-               [[n, f"{p['start_mib']:.1f}", f"{p['end_mib']:.1f}", f"{p['slope_mib_per_min']:+.2f}", p["flat"]]
+              f"(no failures and every slope over the late half of the run after warm-up < "
+              f"{c['max_slope_mib_per_min']} MiB/min: a leak grows steadily, a cache filling up flattens).")
+    page.table(["process", "RSS after warm-up MiB", "RSS at end MiB", "slope MiB/min", "early half", "late half",
+                "flat"],
+               [[n, f"{p['start_mib']:.1f}", f"{p['end_mib']:.1f}", f"{p['slope_mib_per_min']:+.2f}",
+                 f"{p.get('early_slope_mib_per_min', float('nan')):+.2f}",
+                 f"{p.get('late_slope_mib_per_min', float('nan')):+.2f}", p["flat"]]
                 for n, p in data["processes"].items()])
     if data.get("errors"):
         page.text("Errors:", "\n".join(f"* `{e}`" for e in data["errors"]))
@@ -274,8 +263,8 @@ def soak(page: Page, data: dict) -> str:
         left.legend(fontsize=6)
 
     page.figure("soak_rss", "RSS of every serve process over the soak", draw, 2)
-    worst = max(p["slope_mib_per_min"] for p in data["processes"].values())
-    return f"{data['verdict']}: {data['failed']} failed of {data['completed']}; max slope {worst:.2f} MiB/min"
+    worst = max(p.get("late_slope_mib_per_min", p["slope_mib_per_min"]) for p in data["processes"].values())
+    return f"{data['verdict']}: {data['failed']} failed of {data['completed']}; max late slope {worst:.2f} MiB/min"
 
 
 def control_plane(page: Page, data: dict) -> str:
@@ -383,7 +372,8 @@ def generic(page: Page, data) -> str:
     return ""
 
 
-from report_routing import prefix_routing  # noqa: E402 - it renders with this module's Page
+from report_routing import prefix_routing  # noqa: E402 - they render with this module's Page
+from report_vs_vllm import vs_vllm  # noqa: E402
 
 SECTIONS: dict[str, Callable[[Page, dict], str]] = {
     "engine_throughput": engine_throughput, "api_overhead": api_overhead, "vs_vllm": vs_vllm,

@@ -14,7 +14,7 @@ hybridlb / vLLM throughput ratio per workload. Then ``vllm bench serve`` itself 
 against hybridlb, to prove the API is compatible.
 
     bash benchmarks/vllm_env.sh        # once: vLLM in its own venv (~2 min, 3.4 GB)
-    python benchmarks/vs_vllm.py [--models smollm2,tiny,small] [--rounds 2]
+    python benchmarks/vs_vllm.py [--models smollm2,tiny,small] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def main() -> None:
     parser.add_argument("--models", default="smollm2,tiny,small", help="comma list of smollm2, tiny, small")
     parser.add_argument("--models-dir", type=Path, default=Path("models"))
     parser.add_argument("--num-prompts", type=int, default=100)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dtype", default="float32", help="both servers' dtype (float32 or bfloat16)")
     parser.add_argument("--dp", type=int, default=1,
                         help="data-parallel ranks on this node: hybridlb --data-parallel-size N against vLLM "

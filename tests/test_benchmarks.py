@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-HELPERS = {"common.py", "report_sections.py", "report_routing.py"}  # modules the scripts import, not scripts
+HELPERS = {"common.py", "report_sections.py", "report_routing.py", "report_vs_vllm.py"}  # modules the scripts import, not scripts
 SCRIPTS = sorted(p for p in Path("benchmarks").glob("*.py") if p.name not in HELPERS)
 
 
@@ -25,4 +26,6 @@ def test_api_overhead_runs_end_to_end(tmp_path):
     run = subprocess.run([sys.executable, "benchmarks/api_overhead.py", "--quick", "--models-dir", str(tmp_path),
                           "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-    assert "ratio (best HTTP / best direct)" in run.stdout and out.exists()
+    assert "HTTP / direct per round" in run.stdout
+    overhead = json.loads(out.read_text())["overhead"]
+    assert len(overhead["ratios"]) == 3 and min(overhead["ratios"]) <= overhead["ratio_median"] <= max(overhead["ratios"])

@@ -17,6 +17,7 @@ from hybridlb.engine.kv_events import END_OF_REPLAY, rank_endpoint
 from hybridlb.engine.launch import start_engine, stop_engines, wait_until_ready
 from hybridlb.prefix_hash import block_hashes, hash_seed
 from tests.servers import free_port
+from tests.sockets import assert_drops_oversized
 
 BLOCK = 16
 PARAMS = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
@@ -142,6 +143,7 @@ def test_replay_resends_from_a_sequence_number(tiny_qwen3, tmp_path, subscriber)
                 assert frames[2] == b""
                 break
             replies.append(frames)
+        assert_drops_oversized(replay, "the replay socket", [b""])
     finally:
         replay.close(linger=0)
         client.close()

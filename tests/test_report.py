@@ -25,7 +25,8 @@ def load_result() -> dict:
 def soak_result() -> dict:
     samples = [{"t_s": t, "done": t, "failed": 0, "rss_mib": {"hybridlb:api:0": 60.0, "hybridlb:engine:0": 500.0}}
                for t in (0, 5, 10, 15)]
-    processes = {name: {"start_mib": v, "end_mib": v, "slope_mib_per_min": 0.0, "flat": True}
+    processes = {name: {"start_mib": v, "end_mib": v, "slope_mib_per_min": 0.5, "early_slope_mib_per_min": 1.5,
+                        "late_slope_mib_per_min": -0.25, "flat": True}
                  for name, v in samples[0]["rss_mib"].items()}
     return {"meta": {"date": "2026-01-02T03:04:05"}, "completed": 15, "failed": 0, "healthy_after": True,
             "verdict": "PASS", "errors": [], "processes": processes, "samples": samples,
@@ -58,7 +59,7 @@ def test_report_has_tables_commands_and_plots(results, tmp_path):
     assert "`python benchmarks/load_soak.py load --clients 9`" in report  # the command the JSON recorded
     assert "| TTFT P99 (ms) | 20.0 |" in report
     assert "Command: `python benchmarks/load_soak.py soak` (run 2026-01-02 03:04" in report  # the default command
-    assert "| hybridlb:engine:0 | 500.0 | 500.0 | +0.00 | True |" in report
+    assert "| hybridlb:engine:0 | 500.0 | 500.0 | +0.50 | +1.50 | -0.25 | True |" in report
     assert "**not run yet**: `python benchmarks/engine_throughput.py`" in report
     assert "not run yet: `python benchmarks/control_plane.py`" in report  # in the summary too
     assert "layout did not match" in report and "| overhead | a layout the renderer does not know |" in report

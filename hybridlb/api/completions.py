@@ -267,52 +267,75 @@ async def _sse(frontend: Frontend, job: Job, streams: list[AsyncIterator]) -> As
         yield b"data: [DONE]\n\n"
 
 
-async def _events(frontend: Frontend, job: Job, streams: list[AsyncIterator]) -> AsyncIterator[bytes]:
+async def _tagged(job: Job, index: int, stream: AsyncIterator) -> AsyncIterator[tuple[int, object]]:
+    """One choice's deltas as ``(index, delta)``; a failure becomes a last ``(index, APIError)``,
+    so a choice never ends silently."""
+    try:
+        async for delta in stream:
+            yield index, delta
+    except APIError as exc:
+        yield index, exc
+    except Exception as exc:
+        log.exception("streaming request %s failed", job.id)
+        yield index, APIError(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+async def _merged(job: Job, streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
+    """Every choice's ``_tagged`` items in the order they come. One stream (the usual case) is
+    read directly: no task and no queue hop per chunk."""
+    if len(streams) == 1:
+        try:
+            async for item in _tagged(job, 0, streams[0]):
+                yield item
+        finally:
+            await streams[0].aclose()  # closed here too, so an abort never waits for the collector
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int, stream: AsyncIterator) -> None:
         try:
-            async for delta in stream:
-                await queue.put((index, delta))
-        except APIError as exc:
-            await queue.put((index, exc))
-        except Exception as exc:  # never end a choice silently: the client sees what went wrong
-            log.exception("streaming request %s failed", job.id)
-            await queue.put((index, APIError(500, f"internal error: {type(exc).__name__}: {exc}")))
+            async for item in _tagged(job, index, stream):
+                await queue.put(item)
         finally:
             await queue.put((index, None))
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        open_streams = len(streams)
+        while open_streams:
+            index, item = await queue.get()
+            if item is None:
+                open_streams -= 1
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _events(frontend: Frontend, job: Job, streams: list[AsyncIterator]) -> AsyncIterator[bytes]:
     # Per choice: what is not sent yet (tokens whose text is still incomplete), characters
     # sent so far (the completions text_offset), and whether anything was sent.
     pending = [Choice() for _ in streams]
     offsets = [0] * len(streams)
     started = [False] * len(streams)
-    try:
-        open_streams, completion = len(streams), 0
-        while open_streams:
-            index, item = await queue.get()
-            if item is None:
-                open_streams -= 1
-                continue
-            if isinstance(item, APIError):
-                yield b"data: " + _json.encode(item.body()) + b"\n\n"
-                continue
-            completion += item.num_tokens
-            choice = pending[index]
-            if not started[index] and not choice.text:
-                _prepend_prompt(job, index // job.candidates, choice, item)
-            choice.add(item)
-            text = "".join(choice.text)
-            if text or item.finish_reason:  # a role-only or empty chunk would read as a first token
-                body = _choice(frontend, job, index, choice, offsets[index])
-                yield _chunk(job, body, first=not started[index])
-                started[index], offsets[index], pending[index] = True, offsets[index] + len(text), Choice()
-        if job.include_usage:
-            usage = {"id": job.id, "object": f"{job.kind}.chunk" if job.kind == "chat.completion" else job.kind,
-                     "created": job.created, "model": job.model, "choices": [], "usage": _usage(job, completion)}
-            yield b"data: " + _json.encode(usage) + b"\n\n"
-        yield b"data: [DONE]\n\n"
-    finally:
-        for task in tasks:
-            task.cancel()
+    completion = 0
+    async for index, item in _merged(job, streams):
+        if isinstance(item, APIError):
+            yield b"data: " + _json.encode(item.body()) + b"\n\n"
+            continue
+        completion += item.num_tokens
+        choice = pending[index]
+        if not started[index] and not choice.text:
+            _prepend_prompt(job, index // job.candidates, choice, item)
+        choice.add(item)
+        text = "".join(choice.text)
+        if text or item.finish_reason:  # a role-only or empty chunk would read as a first token
+            body = _choice(frontend, job, index, choice, offsets[index])
+            yield _chunk(job, body, first=not started[index])
+            started[index], offsets[index], pending[index] = True, offsets[index] + len(text), Choice()
+    if job.include_usage:
+        usage = {"id": job.id, "object": f"{job.kind}.chunk" if job.kind == "chat.completion" else job.kind,
+                 "created": job.created, "model": job.model, "choices": [], "usage": _usage(job, completion)}
+        yield b"data: " + _json.encode(usage) + b"\n\n"
+    yield b"data: [DONE]\n\n"

@@ -260,7 +260,7 @@ class Frontend:
                         ttft = now - arrival
                         self.metrics.first_token(engine.rank, ttft)
                     else:
-                        self.metrics.itl.labels(**self.metrics.labels(engine.rank)).observe(now - last_token_at)
+                        self.metrics.of(self.metrics.itl, engine.rank).observe(now - last_token_at)
                     last_token_at = now
                 num_tokens += len(output.new_token_ids)
                 text = detok.push(output.new_token_ids)

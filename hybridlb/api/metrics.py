@@ -96,6 +96,7 @@ class Metrics:
         # observer: also told of first tokens, finishes and engine stats (the Ray dashboard mirror)
         self.observer = observer
         self.model_name = model_name
+        self._series: dict[tuple, object] = {}  # see of()
         self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
         # In multiprocess mode values live in files and a collector reads them all at scrape time.
         self.registry = CollectorRegistry()
@@ -159,6 +160,15 @@ class Metrics:
     def labels(self, rank: int) -> dict[str, str]:
         return {"model_name": self.model_name, "engine": str(rank)}
 
+    def of(self, metric, rank: int, *extra: str):
+        """``metric``'s series for engine ``rank`` (and ``extra`` label values), looked up once:
+        prometheus_client's ``labels()`` costs more per call than the observation itself."""
+        key = (id(metric), rank, *extra)
+        series = self._series.get(key)
+        if series is None:
+            series = self._series[key] = metric.labels(self.model_name, str(rank), *extra)
+        return series
+
     def register_engine(self, rank: int) -> None:
         """Expose every series of an engine from the start, at zero."""
         self.update_stats(EngineStats(rank, 0, 0, 0.0))
@@ -193,32 +203,32 @@ class Metrics:
         self.lost.labels(**self.labels(rank), reason=reason).inc(count)
 
     def first_token(self, rank: int, seconds: float) -> None:
-        self.ttft.labels(**self.labels(rank)).observe(seconds)
+        self.of(self.ttft, rank).observe(seconds)
         if self.observer is not None:
             self.observer.first_token(rank, seconds)
 
     def finished(self, done: Finished) -> None:
         if self.observer is not None:
             self.observer.finished(done.rank, done.reason)
-        labels = self.labels(done.rank)
-        self.success.labels(**labels, finished_reason=done.reason).inc()
-        self.e2e.labels(**labels).observe(done.e2e_s)
-        self.prompt_tokens.labels(**labels).inc(done.prompt_tokens)
-        self.generation_tokens.labels(**labels).inc(done.output_tokens)
-        self.request_prompt.labels(**labels).observe(done.prompt_tokens)
-        self.request_generation.labels(**labels).observe(done.output_tokens)
-        self.n.labels(**labels).observe(1)
+        rank = done.rank
+        self.of(self.success, rank, done.reason).inc()
+        self.of(self.e2e, rank).observe(done.e2e_s)
+        self.of(self.prompt_tokens, rank).inc(done.prompt_tokens)
+        self.of(self.generation_tokens, rank).inc(done.output_tokens)
+        self.of(self.request_prompt, rank).observe(done.prompt_tokens)
+        self.of(self.request_generation, rank).observe(done.output_tokens)
+        self.of(self.n, rank).observe(1)
         if done.max_tokens is not None:
-            self.max_tokens.labels(**labels).observe(done.max_tokens)
-            self.max_generation.labels(**labels).observe(done.max_tokens)  # one sequence per request
+            self.of(self.max_tokens, rank).observe(done.max_tokens)
+            self.of(self.max_generation, rank).observe(done.max_tokens)  # one sequence per request
         if done.ttft_s is not None and done.output_tokens > 1:
-            self.tpot.labels(**labels).observe((done.e2e_s - done.ttft_s) / (done.output_tokens - 1))
+            self.of(self.tpot, rank).observe((done.e2e_s - done.ttft_s) / (done.output_tokens - 1))
         if done.queued_s is not None and done.prefill_s is not None and done.ttft_s is not None:
             decode_s = max(done.e2e_s - done.ttft_s, 0.0)
-            self.queue.labels(**labels).observe(done.queued_s)
-            self.prefill.labels(**labels).observe(done.prefill_s)
-            self.decode.labels(**labels).observe(decode_s)
-            self.inference.labels(**labels).observe(done.prefill_s + decode_s)
+            self.of(self.queue, rank).observe(done.queued_s)
+            self.of(self.prefill, rank).observe(done.prefill_s)
+            self.of(self.decode, rank).observe(decode_s)
+            self.of(self.inference, rank).observe(done.prefill_s + decode_s)
 
     def render(self) -> bytes:
         if self.multiprocess:

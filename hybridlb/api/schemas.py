@@ -72,8 +72,9 @@ class _Sampling(BaseModel):
     logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> bias
 
     def check_supported(self) -> None:
+        extra = self.model_extra or {}  # not getattr: pydantic raises and catches inside for a missing extra
         for name, what in UNSUPPORTED_FIELDS.items():
-            if getattr(self, name, None) is not None:
+            if extra.get(name, self.__dict__.get(name)) is not None:
                 raise APIError(400, f"{name} is not supported: {what}", param=name)
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")

@@ -33,6 +33,7 @@ from hybridlb.engine.block_manager import Removed, Stored
 
 log = logging.getLogger(__name__)
 END_OF_REPLAY = b"\xff" * 8
+REQUEST_LIMIT = 4096  # bytes: the largest frame a subscriber or a replay client may send (ZMQ_MAXMSGSIZE)
 
 
 class BlockStored(msgspec.Struct, array_like=True, tag=True):
@@ -105,11 +106,13 @@ class KVEventPublisher:
         self.socket = context.socket(zmq.PUB)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.set_hwm(config.hwm)
+        self.socket.setsockopt(zmq.MAXMSGSIZE, REQUEST_LIMIT)  # what a PUB takes in: subscriptions
         (self.socket.bind if _binds(self.endpoint) else self.socket.connect)(self.endpoint)
         self.replay = None
         if config.replay_endpoint:
             self.replay = context.socket(zmq.ROUTER)
             self.replay.setsockopt(zmq.LINGER, 0)
+            self.replay.setsockopt(zmq.MAXMSGSIZE, REQUEST_LIMIT)  # a replay request is an 8-byte number
             self.replay.bind(rank_endpoint(config.replay_endpoint, rank))
         log.info("engine %d publishes KV-cache events on %s (topic %r)", rank, self.endpoint, config.topic)
 
