@@ -89,6 +89,7 @@ reads no further, so nothing is decoded or logged):
     coordinator           ``COORDINATOR_LIMIT`` (64 KiB; an ``EngineStats`` is ~200 bytes;
                           its PUB sockets take in only subscriptions)
     handshake             ``HANDSHAKE_LIMIT`` (1 MiB; a ``RegisterNode`` of 1,000 ranks is ~30 KiB)
+    KV events             ``kv_events.REQUEST_LIMIT`` (4 KiB: subscriptions, 8-byte replay requests)
 
 The limit is per frame: ZMQ buffers a multipart message whole, so without a cluster token
 (which makes every TCP socket a CURVE server that an outsider cannot finish a handshake

@@ -288,7 +288,7 @@ async def _merged(job: Job, streams: list[AsyncIterator]) -> AsyncIterator[tuple
             async for item in _tagged(job, 0, streams[0]):
                 yield item
         finally:
-            await streams[0].aclose()  # closed here too, so an abort never waits for the collector
+            await streams[0].aclose()  # its finally (the abort) runs now, not when the garbage collector gets to it
         return
     queue: asyncio.Queue = asyncio.Queue()
 
