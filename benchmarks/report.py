@@ -204,9 +204,10 @@ def intro(page: Page, summary: list[list[str]]) -> None:
         "(benchmarks/results/, else the committed copies in benchmarks/report/data/) with "
         "`just bench-report-render`.",
         f"Rendered {datetime.now():%Y-%m-%d %H:%M} on: {machine()}.",
-        "**Read the numbers as relative.** Every benchmark runs on CPU with tiny or small random-weight "
-        "checkpoints, on the small shared machine above (with other work running), so absolute "
-        "figures are noisy and far below any GPU; the ratios between setups measured in the same run "
+        "**Read the numbers as relative.** Every benchmark runs on the CPUs of the small shared machine "
+        "above: the real SmolLM2-135M where the section says so, tiny or small random-weight checkpoints "
+        "or simulated engines elsewhere. Absolute figures are noisy and far below any GPU; the ratios "
+        "between setups measured side by side in one run (with each round's spread where it has rounds) "
         "are what each benchmark is for.",
     )
     page.table(["benchmark", "headline", "data from"], summary)
