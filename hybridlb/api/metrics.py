@@ -185,14 +185,14 @@ class Metrics:
     def update_stats(self, stats: EngineStats) -> None:
         if self.observer is not None:
             self.observer.engine_stats(stats)
-        labels = self.labels(stats.rank)
-        self.running.labels(**labels).set(stats.num_running)
-        self.waiting.labels(**labels).set(stats.num_waiting)
-        self.kv_usage.labels(**labels).set(stats.kv_usage)
-        self.busy.labels(**labels).set(stats.busy_s)
-        self.rss.labels(**labels).set(stats.rss_mib * 2**20)
-        self.dummy_steps.labels(**labels).set(stats.dummy_steps)
-        self.collective.labels(**labels).set(stats.collective_s)
+        rank = stats.rank
+        self.of(self.running, rank).set(stats.num_running)
+        self.of(self.waiting, rank).set(stats.num_waiting)
+        self.of(self.kv_usage, rank).set(stats.kv_usage)
+        self.of(self.busy, rank).set(stats.busy_s)
+        self.of(self.rss, rank).set(stats.rss_mib * 2**20)
+        self.of(self.dummy_steps, rank).set(stats.dummy_steps)
+        self.of(self.collective, rank).set(stats.collective_s)
         self.totals.stats[stats.rank] = stats
 
     def update_waves(self, snapshot: LoadSnapshot) -> None:
@@ -200,7 +200,7 @@ class Metrics:
         self.waves_completed.labels(model_name=self.model_name).set(snapshot.waves_completed)
 
     def lost_requests(self, rank: int, reason: str, count: int = 1) -> None:
-        self.lost.labels(**self.labels(rank), reason=reason).inc(count)
+        self.of(self.lost, rank, reason).inc(count)
 
     def first_token(self, rank: int, seconds: float) -> None:
         self.of(self.ttft, rank).observe(seconds)
