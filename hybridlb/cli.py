@@ -186,6 +186,9 @@ def serve(
     dtype: Annotated[str | None, typer.Option(help="auto, float32, bfloat16 or float16.", rich_help_panel=VLLM_FLAGS)] = None,
     seed: Annotated[int | None, typer.Option(rich_help_panel=VLLM_FLAGS)] = None,
     torch_threads: Annotated[int | None, typer.Option(help="Threads per engine (0: split the cores).")] = None,
+    share_cores: Annotated[bool | None, typer.Option(
+        "--share-cores/--no-share-cores",
+        help="An engine stepping while the node's others idle uses their cores too (default on).")] = None,
     enable_expert_parallel: Annotated[bool | None, typer.Option(
         "--enable-expert-parallel/--no-enable-expert-parallel", help="MoE: shard experts over the DP ranks.", rich_help_panel=VLLM_FLAGS)] = None,
     async_dp_coordination: Annotated[bool | None, typer.Option(
@@ -229,7 +232,7 @@ def serve(
                        max_num_batched_tokens=max_num_batched_tokens, kv_cache_gib=kv_cache_gib,
                        gpu_memory_utilization=gpu_memory_utilization,
                        block_size=block_size, seed=seed, torch_threads=torch_threads,
-                       prefix_caching=enable_prefix_caching, kv_events=json_flag("--kv-events-config", kv_events_config),
+                       share_cores=share_cores, prefix_caching=enable_prefix_caching, kv_events=json_flag("--kv-events-config", kv_events_config),
                        expert_parallel=enable_expert_parallel, async_dp_coordination=async_dp_coordination,
                        simulate=simulate_flags(simulate_step_ms, simulate_per_token_ms)),
         "api": dict(host=host, port=port, served_model_name=served_names(served_model_name), api_key=api_key,

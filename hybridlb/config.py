@@ -119,6 +119,10 @@ class EngineConfig(_Section):
     torch_threads: int = Field(
         0, ge=0, description="Torch intra-op threads; 0 splits this machine's cores among its engines."
     )
+    share_cores: bool = Field(
+        True, description="With torch_threads 0 and several engines on a node: an engine that steps while "
+        "the node's other engines wait for work uses their cores too (lower latency at low load)."
+    )
     simulate: SimulateConfig | None = Field(
         None, description="SIMULATED engines (no weights loaded; steps sleep, tokens echo the prompt), for "
         "control-plane benchmarks only. engine.model still provides the tokenizer and config.json. "

@@ -253,6 +253,7 @@ class EngineStats(msgspec.Struct, tag="stats"):
     cached_blocks: int = 0  # KV blocks holding reusable content, in use or not (rides along)
     orphans_aborted: int = 0  # requests aborted because their front end was gone (rides along)
     step_failures: int = 0  # steps that raised; their requests failed (rides along)
+    borrowed_steps: int = 0  # steps run on cores borrowed from the node's idle engines (rides along)
 
 
 def is_newer(stats: EngineStats, than: EngineStats | None) -> bool:

@@ -60,6 +60,7 @@ def _engine_view(engine: EngineConnection) -> dict:
         "collective_s": stats.collective_s if stats else 0.0, "meta_s": stats.meta_s if stats else 0.0,
         "steps": stats.steps if stats else 0, "busy_s": stats.busy_s if stats else 0.0,
         "rss_mib": stats.rss_mib if stats else 0.0,
+        "borrowed_steps": stats.borrowed_steps if stats else 0,
         "cached_blocks": stats.cached_blocks if stats else 0,
         "num_kv_blocks": engine.info.num_kv_blocks if engine.info else 0,
         "prefix_hit_rate": round(stats.prefix_hits / stats.prefix_queries, 4) if stats and stats.prefix_queries else 0.0,

@@ -10,6 +10,7 @@ from multiprocessing.connection import Connection
 
 from hybridlb.config import EngineConfig
 from hybridlb.engine.client import EngineClient
+from hybridlb.engine.core_share import SharedCores, shared_cores
 from hybridlb.engine.dp_context import DPContext
 from hybridlb.engine.process import run_engine
 from hybridlb.protocol import EngineReady
@@ -50,18 +51,33 @@ def default_torch_threads(config: EngineConfig, local_engines: int) -> int:
     """
     if config.torch_threads:
         return config.torch_threads
+    return max(1, engine_cores() // local_engines)
+
+
+def engine_cores() -> int:
+    """The cores a node gives its engines (all of them, but one from 4 up: see above)."""
     cores = os.cpu_count() or 1
-    reserved = 1 if cores >= 4 else 0
-    return max(1, (cores - reserved) // local_engines)
+    return cores - (1 if cores >= 4 else 0)
+
+
+def node_core_share(config: EngineConfig, directory: str, name: str, slots: int,
+                    pool: int | None = None) -> list[SharedCores | None]:
+    """Per local engine, the ``pool`` cores (default: ``engine_cores()``) it shares with its
+    siblings (``hybridlb.engine.core_share``): none where ``torch_threads`` is set, as the
+    user then chose each engine's threads."""
+    if config.torch_threads or not config.share_cores:
+        return [None] * slots
+    return [shared_cores(directory, name, slot, slots, pool or engine_cores()) for slot in range(slots)]
 
 
 def start_engine(config: EngineConfig, rank: int, address: str, torch_threads: int,
-                 dp: DPContext | None = None) -> EngineProcess:
-    """Spawn the engine of ``rank``; ``dp`` says how it fits in the cluster (default: alone)."""
+                 dp: DPContext | None = None, cores: SharedCores | None = None) -> EngineProcess:
+    """Spawn the engine of ``rank``; ``dp`` says how it fits in the cluster (default: alone),
+    ``cores`` which cores it may borrow from idle siblings (default: none)."""
     dp = dp or DPContext(rank=rank)
     reader, writer = _spawn.Pipe(duplex=False)
     process = _spawn.Process(
-        target=run_engine, args=(config, dp, address, torch_threads, writer),
+        target=run_engine, args=(config, dp, address, torch_threads, writer, cores),
         name=f"hybridlb:engine:{rank}", daemon=True,
     )
     process.start()

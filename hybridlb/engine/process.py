@@ -27,6 +27,7 @@ from hybridlb import lifecycle
 from hybridlb.config import EngineConfig
 from hybridlb.engine.block_manager import Removed
 from hybridlb.engine.core import EngineCore
+from hybridlb.engine.core_share import CoreShare, SharedCores
 from hybridlb.engine.dp_context import DPContext
 from hybridlb.engine.io_thread import IO_FAILED, IOThread
 from hybridlb.engine.kv_events import KVEventPublisher
@@ -66,8 +67,10 @@ class _Route:
 
 
 class EngineServer:
-    def __init__(self, core: EngineCore, address: str):
+    def __init__(self, core: EngineCore, address: str, cores: SharedCores | None = None):
+        """``cores``: the node's cores this engine shares with its siblings (real engines only)."""
         self.core = core
+        self.cores = CoreShare(cores) if cores is not None and core.config.simulate is None else None
         dp = core.dp
         self.lockstep = Lockstep(core) if core.runner.ep is not None else None
         self.context = zmq.Context()
@@ -118,9 +121,14 @@ class EngineServer:
         try:
             while not self.stopping:
                 route = _Route({})
-                self._drain(route, block=not self._busy)
+                busy = self._busy
+                if self.cores is not None and not busy:
+                    self.cores.idle()  # before waiting for work: our cores are free for the node's others
+                self._drain(route, block=not busy)
                 if self.stopping:
                     break
+                if self.cores is not None and self._busy:
+                    self.cores.stepping()
                 for output in self._step():
                     self._route_output(route, output)
                 self._publish(route)
@@ -129,6 +137,8 @@ class EngineServer:
                 self.outbox.send_multipart([b"", b""], zmq.NOBLOCK)
             self.io.join(timeout=2)
             self.context.destroy(linger=0)
+            if self.cores is not None:
+                self.cores.close()
 
     @property
     def _busy(self) -> bool:
@@ -253,7 +263,8 @@ class EngineServer:
         """New stats when the load changed; with ``fresh`` (a heartbeat) also when only what
         rides along did (counters, busy time, memory), so no reader's view is more than a
         heartbeat old."""
-        stats = msgspec.structs.replace(self.core.stats(), orphans_aborted=self.orphans_aborted)
+        stats = msgspec.structs.replace(self.core.stats(), orphans_aborted=self.orphans_aborted,
+                                        borrowed_steps=self.cores.borrowed if self.cores else 0)
         if self.lockstep is not None:
             stats = self.lockstep.annotate(stats)
         last = self.last_stats
@@ -300,7 +311,7 @@ def prepare_process(config: EngineConfig, torch_threads: int) -> None:
 
 
 def run_engine(config: EngineConfig, dp: DPContext, address: str, torch_threads: int,
-               errors: multiprocessing.connection.Connection | None = None) -> None:
+               errors: multiprocessing.connection.Connection | None = None, cores: SharedCores | None = None) -> None:
     """Entry point of an engine process: load the model, then serve until SIGTERM."""
     title = f"hybridlb:engine:{dp.rank}"
     lifecycle.set_title(title)
@@ -308,7 +319,7 @@ def run_engine(config: EngineConfig, dp: DPContext, address: str, torch_threads:
     lifecycle.die_with_parent()
     prepare_process(config, torch_threads)
     try:
-        server = EngineServer(make_core(config, dp), address)
+        server = EngineServer(make_core(config, dp), address, cores)
     except Exception as exc:
         log.error("engine %d failed to start: %s", dp.rank, exc)
         if errors is not None:

@@ -55,7 +55,7 @@ class ClusterError(RuntimeError):
 def fingerprints(config: Config) -> tuple[str, str]:
     """(model, config) fingerprints every node must share with the head."""
     model = resolve(config.engine.model).fingerprint()
-    shared = config.engine.model_dump(exclude={"model", "make_if_missing", "torch_threads"})
+    shared = config.engine.model_dump(exclude={"model", "make_if_missing", "torch_threads", "share_cores"})
     shared.update(served=config.served_model_name, size=config.data_parallel.size, mode=config.lb.mode)
     digest = hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]
     return model, digest

@@ -93,18 +93,23 @@ class Coordinator:
 @ray.remote
 class Engine:
     def __init__(self, cluster: str, config, dp, node: int, port: int | None, threads: int,
-                 host: str | None = None):
+                 host: str | None = None, cores=None):
         """``port``: listen there on ``host`` (default: the node's IP; API servers on other nodes
         use it); else IPC. A restarted engine binds the same address, so its API servers
-        reconnect on their own."""
+        reconnect on their own. ``cores``: the node's shared cores, its table named relative to
+        the runtime directory (which only this node knows)."""
+        import dataclasses
+
         from hybridlb.engine.process import EngineServer, prepare_process
         from hybridlb.engine.simulated import make_core
 
         prepare_process(config, threads)
+        if cores is not None:
+            cores = dataclasses.replace(cores, path=os.path.join(_runtime_dir(cluster), cores.path))
         self.rank, self.node, self.cluster = dp.rank, node, cluster
         address = (f"tcp://{host or _node_ip()}:{port}" if port
                    else f"ipc://{_runtime_dir(cluster)}/engine-{dp.rank}")
-        self.server = EngineServer(make_core(config, dp), address)  # engine.simulate: no model
+        self.server = EngineServer(make_core(config, dp), address, cores)  # engine.simulate: no model
         self.thread = threading.Thread(target=self._serve, name="engine", daemon=True)
         self.thread.start()
 

@@ -28,6 +28,7 @@ from hybridlb import lifecycle
 from hybridlb.api.app import ApiServerSpec
 from hybridlb.config import Config
 from hybridlb.engine.dp_context import DPContext
+from hybridlb.engine.launch import node_core_share
 from hybridlb.launch.ray_actors import ApiServer, Coordinator, Engine, free_ports, remove_runtime_dir
 from hybridlb.model.spec import CheckpointError, load_spec
 from hybridlb.plan import ClusterPlan, NodePlan
@@ -155,14 +156,17 @@ class RayCluster:
         cfg = self.config
         threads = cfg.engine.torch_threads or max(1, int(cfg.ray.cpus_per_engine))
         for node in self.plan.nodes:
-            for rank in node.ranks:
+            # The node's engines share the CPUs Ray reserved for them (table path: see Engine).
+            cores = node_core_share(cfg.engine, "", f"cores-node{node.index}", len(node.ranks),
+                                    threads * len(node.ranks))
+            for rank, share in zip(node.ranks, cores, strict=True):
                 dp = DPContext(rank, self.plan.size, shared.get("stats"), shared.get("waves"), shared.get("rendezvous"),
                                self.token)
                 options = self._options("engine", rank, node.index, num_cpus=cfg.ray.cpus_per_engine,
                                         num_gpus=self.placement.gpus, max_restarts=self.restarts)
                 port = self.plan.engine_port(rank) if self.plan.remote_engines else None
                 self.engines[rank] = Engine.options(**options).remote(self.name, cfg.engine, dp, node.index, port,
-                                                                      threads, self.host)
+                                                                      threads, self.host, share)
 
     def _start_api_servers(self, addresses: dict[int, str], loads: str | None) -> None:
         for node in self.plan.nodes:

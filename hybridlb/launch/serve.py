@@ -49,6 +49,7 @@ from hybridlb.engine.launch import (
     EngineProcess,
     EngineStartError,
     default_torch_threads,
+    node_core_share,
     start_engine,
     stop_engines,
     wait_until_ready,
@@ -102,10 +103,11 @@ class Node:
     def start(self, timeout_s: float = 600) -> None:
         shared = self._coordination()
         threads = default_torch_threads(self.config.engine, len(self.node.ranks))
-        for rank in self.node.ranks:
+        cores = node_core_share(self.config.engine, self.runtime_dir, "cores", len(self.node.ranks))
+        for rank, share in zip(self.node.ranks, cores, strict=True):
             dp = DPContext(rank, self.plan.size, shared.coordinator_stats, shared.coordinator_waves, shared.rendezvous,
                            self.token)
-            self.engine_args[rank] = (self.config.engine, rank, self.engine_address(rank), threads, dp)
+            self.engine_args[rank] = (self.config.engine, rank, self.engine_address(rank), threads, dp, share)
             self.engines.append(start_engine(*self.engine_args[rank]))
         try:
             wait_until_ready(self.engines, timeout_s, self.token)

@@ -132,6 +132,13 @@ def test_single_node_hybrid_with_the_same_flags(tiny_qwen3):
         assert burst([node.url], node.model, 60) == [200] * 60
         served = served_per_engine(node.url)
         assert set(served) == {0, 1} and all(count > 60 // 3 for count in served.values()), served
+        # One request at a time: the engine serving it borrows its idle sibling's core (CI has 2).
+        before = {e["rank"]: e["borrowed_steps"] for e in httpx.get(f"{node.url}/ranks").json()["engines"]}
+        for _ in range(4):
+            completion(node.url, node.model, "Hello", max_tokens=16, ignore_eos=True)
+        time.sleep(1.5)  # the counters ride along with the next heartbeat
+        after = {e["rank"]: e["borrowed_steps"] for e in httpx.get(f"{node.url}/ranks").json()["engines"]}
+        assert sum(after.values()) - sum(before.values()) >= 4 * 16, (before, after)
     finally:
         assert node.stop() == 0
 
