@@ -14,6 +14,7 @@ LB) listen on ``rpc_port + 16 + rank``; otherwise they use local IPC sockets.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from dataclasses import dataclass
 
@@ -44,7 +45,7 @@ class NodePlan:
     start_rank: int
     ranks: tuple[int, ...]
     headless: bool
-    address: str
+    address: str | None  # where other nodes reach it; None: not named, learnt on the node at start
     api_servers: tuple[ApiServerPlan, ...]
 
     @property
@@ -190,7 +191,9 @@ def _api_servers(config: Config, mode: str, index: int, start: int, ranks: tuple
 def _check_ports(plan: ClusterPlan, problems: list[str]) -> None:
     bound: dict[tuple[str, int], str] = {}
 
-    def claim(address: str, port: int, what: str) -> None:
+    def claim(address: str | None, port: int, what: str) -> None:
+        if address is None:  # a node whose address is learnt at start is a host of its own
+            return
         key = (address, port)
         if key in bound and bound[key] != what:
             problems.append(f"port {port} on {address} is used by both {bound[key]} and {what}; "
@@ -207,6 +210,25 @@ def _check_ports(plan: ClusterPlan, problems: list[str]) -> None:
                 claim(node.address, plan.engine_port(rank), f"engine {rank}")
         for api in node.api_servers:
             claim(node.address, api.port, f"API server {api.name.split('.')[0]}")
+
+
+def _default_node_address(config: Config, start_rank: int) -> str | None:
+    """A node's address when the config does not name it: the head's for the head, and for the
+    others the head's too on a one-machine (loopback) cluster; otherwise None, and the node
+    learns it at start (the address that routes to the head, ``netaddr.route_to``)."""
+    dp = config.data_parallel
+    if start_rank == 0:
+        return dp.address
+    if dp.node_address:
+        return dp.node_address
+    return dp.address if _is_loopback(dp.address) else None
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def plan_cluster(config: Config, is_moe: bool | None = False) -> ClusterPlan:
@@ -231,7 +253,7 @@ def plan_cluster(config: Config, is_moe: bool | None = False) -> ClusterPlan:
     for index, (start, size_local, headless, address, api_port) in enumerate(specs):
         ranks = tuple(range(start, start + size_local))
         node_index = index if dp.nodes else start // max(1, size_local)
-        host = address or (dp.address if start == 0 else dp.node_address or dp.address)
+        host = address or _default_node_address(config, start)
         port = api_port if api_port is not None else config.api.port
         servers = _api_servers(config, mode, node_index, start, ranks, headless, config.api.host, port)
         nodes.append(NodePlan(node_index, start, ranks, headless, host, servers))

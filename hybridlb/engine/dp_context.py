@@ -13,6 +13,7 @@ class DPContext:
     coordinator_waves: str | None = None  # MoE lockstep: where StartWave comes from
     rendezvous: str | None = None  # MoE lockstep: torch.distributed init address
     token: str | None = None  # the cluster token: keys for TCP sockets (hybridlb.transport)
+    address: str | None = None  # MoE lockstep: this node's address for the group (default: routes to the head)
 
     @property
     def lockstep(self) -> bool:

@@ -63,7 +63,8 @@ class ModelRunner:
         experts = None
         if dp is not None and dp.lockstep and self.spec.is_moe:
             experts = expert_range(self.spec.num_experts, dp.rank, dp.size)
-            group, meta_group = init_group(dp.rendezvous, dp.rank, dp.size, self.device, config.dp_timeout_s)
+            group, meta_group = init_group(dp.rendezvous, dp.rank, dp.size, self.device, config.dp_timeout_s,
+                                           dp.address)
             self.ep = ExpertParallel(dp.rank, dp.size, self.device, group, meta_group, config.async_dp_coordination)
         self.model = load_model(config.model, self.spec, self.dtype, self.device, self.max_model_len, experts)
         for module in self.model.modules():

@@ -32,6 +32,7 @@ A part that dies more than ``MAX_RESTARTS`` times in ``RESTART_WINDOW_S`` is lef
 
 from __future__ import annotations
 
+import functools
 import logging
 import multiprocessing
 import os
@@ -55,6 +56,7 @@ from hybridlb.engine.launch import (
     wait_until_ready,
 )
 from hybridlb.launch.handshake import ClusterError, HeadHandshake, NodeLink, registration
+from hybridlb.netaddr import route_to
 from hybridlb.plan import ClusterPlan, NodePlan
 from hybridlb.protocol import NodeAccepted
 from hybridlb.transport import cluster_token
@@ -94,9 +96,14 @@ class Node:
         """Whether nodes must find each other (else each node runs on its own)."""
         return self.plan.multi_node and (self.plan.coordinator or self.plan.mode == "internal")
 
+    @functools.cached_property
+    def address(self) -> str:
+        """Where other nodes reach this one: as configured, else the address routing to the head."""
+        return self.node.address or route_to(self.plan.head_address, self.plan.rpc_port)
+
     def engine_address(self, rank: int) -> str:
         if self.plan.remote_engines:
-            return f"tcp://{self.node.address}:{self.plan.engine_port(rank)}"
+            return f"tcp://{self.address}:{self.plan.engine_port(rank)}"
         return f"ipc://{self.runtime_dir}/engine-{rank}"
 
     # -- start ------------------------------------------------------------------------
@@ -106,7 +113,7 @@ class Node:
         cores = node_core_share(self.config.engine, self.runtime_dir, "cores", len(self.node.ranks))
         for rank, share in zip(self.node.ranks, cores, strict=True):
             dp = DPContext(rank, self.plan.size, shared.coordinator_stats, shared.coordinator_waves, shared.rendezvous,
-                           self.token)
+                           self.token, self.address if self.plan.lockstep else None)
             self.engine_args[rank] = (self.config.engine, rank, self.engine_address(rank), threads, dp, share)
             self.engines.append(start_engine(*self.engine_args[rank]))
         try:

@@ -19,6 +19,8 @@ attention layer instead of stalling the step.
 from __future__ import annotations
 
 import datetime
+import logging
+import os
 import socket
 import time
 from urllib.parse import urlparse
@@ -26,16 +28,41 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
+from hybridlb.netaddr import interface_of, route_to
 
-def init_group(rendezvous: str, rank: int, size: int, device: torch.device, timeout_s: float):
+log = logging.getLogger(__name__)
+
+
+def init_group(rendezvous: str, rank: int, size: int, device: torch.device, timeout_s: float,
+               address: str | None = None):
     """Join the torch.distributed group of all ranks: gloo on CPU, nccl (plus a gloo
-    group for the small CPU metadata) on CUDA. Returns (group for tensors, group for metadata)."""
+    group for the small CPU metadata) on CUDA. Returns (group for tensors, group for metadata).
+
+    The group's connections use ``address`` (default: this host's address that routes to the
+    rendezvous host), never what the hostname resolves to (see ``_use_interface``)."""
     backend = "nccl" if device.type == "cuda" else "gloo"
+    url = urlparse(rendezvous)
+    _use_interface(address or route_to(url.hostname, url.port))
     timeout = datetime.timedelta(seconds=timeout_s)
     store = _store(rendezvous, rank, size, timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
     meta = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else dist.group.WORLD
     return dist.group.WORLD, meta
+
+
+def _use_interface(address: str) -> None:
+    """Make gloo (and nccl's bootstrap) connect from the interface holding ``address``. Left to
+    itself gloo takes the address the hostname resolves to, and where that is loopback (Debian's
+    127.0.1.1) it tells its peers to dial 127.0.0.1. A GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME
+    the user set wins."""
+    interface = interface_of(address)
+    if interface is None:
+        raise RuntimeError(f"the expert-parallel group should use {address}, but no network interface of this "
+                           "host has that address; set --data-parallel-node-address to one of this host's "
+                           "addresses that the other nodes reach")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
+    log.info("expert-parallel group: this rank connects from %s (%s)", address, interface)
 
 
 def _store(rendezvous: str, rank: int, size: int, timeout: datetime.timedelta) -> dist.TCPStore:

@@ -1,0 +1,143 @@
+"""`hybridlb serve` across hosts with their own network stacks (tests/netns): every node binds
+only its own address, reaches the head by its DNS name, and serves the right tokens, in each
+layout: hybrid, internal LB with headless workers, external LB, MoE with expert parallelism
+(its torch.distributed group across addresses) and a cluster token (CURVE)."""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import httpx
+import pytest
+
+from hybridlb import LLM, SamplingParams
+from tests.netns.hosts import Host, HostNetwork
+from tests.servers import Server, completion, start_servers
+
+pytestmark = pytest.mark.slow
+PROMPTS = ["The test bed", "Hosts of their own", "A network namespace"]
+
+
+def serve_on(network: HostNetwork, host: Host, model: str, *flags: str) -> Server:
+    """`hybridlb serve` on ``host``, its API on the host's own address."""
+    return Server(model, *flags, host=host.address, launcher=lambda argv: network.command(host, argv))
+
+
+def dp_flags(network: HostNetwork, size: int, size_local: int, start_rank: int, rpc_port: int) -> list[str]:
+    """A node of a cluster whose head is the first host, reached by its name (as LWS pods do)."""
+    return ["--data-parallel-size", str(size), "--data-parallel-size-local", str(size_local),
+            "--data-parallel-start-rank", str(start_rank), "--data-parallel-address", network.hosts[0].name,
+            "--data-parallel-rpc-port", str(rpc_port)]
+
+
+def listeners(network: HostNetwork, host: Host) -> set[str]:
+    """The addresses TCP sockets listen on in ``host``'s namespace."""
+    out = network.run(host, ["ss", "-Hltn"]).stdout
+    return {line.split()[3].rsplit(":", 1)[0] for line in out.splitlines() if line.strip()}
+
+
+def greedy(url: str, model: str, prompt: str) -> list[str]:
+    body = completion(url, model, prompt, max_tokens=8, logprobs=0)
+    return body["choices"][0]["logprobs"]["tokens"]
+
+
+@functools.cache
+def expected(model: str) -> dict[str, str]:
+    """Greedy text of each prompt from one offline engine in this process (float32, as the servers)."""
+    llm = LLM(model, max_model_len=512, kv_cache_gib=0.05, dtype="float32")
+    outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0))
+    return {prompt: out.text for prompt, out in zip(PROMPTS, outputs, strict=True)}
+
+
+def texts(url: str, model: str) -> dict[str, str]:
+    return {p: completion(url, model, p, max_tokens=8)["choices"][0]["text"] for p in PROMPTS}
+
+
+def assert_binds_only_own_address(network: HostNetwork, *hosts: Host) -> None:
+    for host in hosts:
+        bound = listeners(network, host)
+        assert bound and bound <= {host.address, "127.0.0.1"}, (host.name, bound)
+
+
+def stop_all(*servers: Server) -> None:
+    codes = [server.stop() for server in reversed(servers)]
+    assert codes == [0] * len(servers), [s.output[-2000:] for s in servers]
+
+
+def test_hybrid_each_host_serves_its_own_ranks(network, tiny_qwen3):
+    a, b = network.hosts[:2]
+    head = serve_on(network, a, tiny_qwen3, *dp_flags(network, 4, 2, 0, 29500))
+    worker = serve_on(network, b, tiny_qwen3, *dp_flags(network, 4, 2, 2, 29500))
+    start_servers(head, worker)
+    try:
+        for server, ranks in ((head, [0, 1]), (worker, [2, 3])):
+            assert httpx.get(f"{server.url}/ranks", timeout=10).json()["ranks"] == ranks
+        assert texts(head.url, tiny_qwen3) == texts(worker.url, tiny_qwen3) == expected(tiny_qwen3)
+        assert_binds_only_own_address(network, a, b)
+    finally:
+        stop_all(head, worker)
+
+
+def test_internal_lb_headless_workers_reach_the_head_by_name(network, tiny_qwen3):
+    a, b, c = network.hosts
+    head = serve_on(network, a, tiny_qwen3, *dp_flags(network, 3, 1, 0, 29510), "--lb-mode", "internal")
+    workers = [serve_on(network, host, tiny_qwen3, *dp_flags(network, 3, 1, rank, 29510), "--lb-mode", "internal",
+                        "--headless") for rank, host in ((1, b), (2, c))]
+    start_servers(head, *workers)
+    try:
+        engines = sorted(httpx.get(f"{head.url}/ranks", timeout=10).json()["engines"], key=lambda e: e["rank"])
+        # Each worker's engine listens on that worker's own address, learnt from its route to the head.
+        assert [e["address"].split("//")[1].split(":")[0] for e in engines[1:]] == [b.address, c.address]
+        for _ in range(12):
+            completion(head.url, tiny_qwen3, "spread me", max_tokens=2)
+        time.sleep(1.5)
+        served = {e["rank"]: e["steps"] for e in httpx.get(f"{head.url}/ranks", timeout=10).json()["engines"]}
+        assert all(steps > 0 for steps in served.values()), served
+        assert_binds_only_own_address(network, a, b, c)
+    finally:
+        stop_all(head, *workers)
+
+
+def test_external_lb_one_server_per_rank_on_its_own_host(network, tiny_qwen3):
+    servers = [serve_on(network, host, tiny_qwen3, "--data-parallel-size", "2", "--data-parallel-rank", str(rank))
+               for rank, host in enumerate(network.hosts[:2])]
+    start_servers(*servers)
+    try:
+        assert [texts(s.url, tiny_qwen3) for s in servers] == [expected(tiny_qwen3)] * 2
+        assert_binds_only_own_address(network, *network.hosts[:2])
+    finally:
+        stop_all(*servers)
+
+
+def test_moe_expert_parallel_group_forms_across_hosts(network, checkpoints):
+    """The hosts' names resolve to 127.0.1.1 locally: the group must use the routed address."""
+    model = checkpoints("qwen3_moe")
+    a, b = network.hosts[:2]
+    head = serve_on(network, a, model, *dp_flags(network, 4, 2, 0, 29520), "--enable-expert-parallel")
+    worker = serve_on(network, b, model, *dp_flags(network, 4, 2, 2, 29520), "--enable-expert-parallel")
+    start_servers(head, worker)
+    try:
+        assert texts(head.url, model) == texts(worker.url, model) == expected(model)
+        assert_binds_only_own_address(network, a, b)
+        assert "connects from 127." not in head.output + worker.output
+    finally:
+        stop_all(head, worker)
+
+
+def test_cluster_token_secures_the_links_and_refuses_a_stranger(network, tiny_qwen3):
+    a, b, c = network.hosts
+    token = ("--cluster-token", "netns-secret-token-0123456789")
+    head = serve_on(network, a, tiny_qwen3, *dp_flags(network, 4, 2, 0, 29530), *token)
+    worker = serve_on(network, b, tiny_qwen3, *dp_flags(network, 4, 2, 2, 29530), *token)
+    start_servers(head, worker)
+    stranger = serve_on(network, c, tiny_qwen3, *dp_flags(network, 4, 2, 2, 29530),
+                        "--cluster-token", "another-token-9876543210abcdef")
+    try:
+        assert stranger.process.wait(60) == 1
+        assert "cluster token differs" in stranger.output
+        assert texts(worker.url, tiny_qwen3) == expected(tiny_qwen3)
+        assert_binds_only_own_address(network, a, b)
+    finally:
+        stranger.stop()
+        stop_all(head, worker)
