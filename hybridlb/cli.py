@@ -194,6 +194,8 @@ def serve(
     async_dp_coordination: Annotated[bool | None, typer.Option(
         "--async-dp-coordination/--no-async-dp-coordination",
         help="Expert parallel: overlap the per-step metadata exchange (default on).")] = None,
+    dp_timeout: Annotated[float | None, typer.Option(
+        help="Expert parallel: seconds before a collective a rank never joins fails the group (default 120).")] = None,
     lb_policy: Annotated[str | None, typer.Option(help="cache_aware (default), least_loaded or round_robin.")] = None,
     simulate_step_ms: Annotated[float | None, typer.Option(
         help="SIMULATED engines for control-plane benchmarks: no model, each step sleeps this long.")] = None,
@@ -234,7 +236,7 @@ def serve(
                        block_size=block_size, seed=seed, torch_threads=torch_threads,
                        share_cores=share_cores, prefix_caching=enable_prefix_caching, kv_events=json_flag("--kv-events-config", kv_events_config),
                        expert_parallel=enable_expert_parallel, async_dp_coordination=async_dp_coordination,
-                       simulate=simulate_flags(simulate_step_ms, simulate_per_token_ms)),
+                       dp_timeout_s=dp_timeout, simulate=simulate_flags(simulate_step_ms, simulate_per_token_ms)),
         "api": dict(host=host, port=port, served_model_name=served_names(served_model_name), api_key=api_key,
                     max_concurrent_requests=max_concurrent_requests, request_timeout_s=request_timeout,
                     chat_template=chat_template,

@@ -207,6 +207,12 @@ def create_app(config: Config, spec: ApiServerSpec, on_ready: Callable[[], None]
         context.destroy(linger=0)
 
     app = FastAPI(title="hybridlb", version=__version__, lifespan=lifespan, **_without_native_telemetry())
+
+    def stop_requests() -> None:  # the server is stopping (``server.make_server``)
+        if "frontend" in state:
+            state["frontend"].stop_requests()
+
+    app.state.stop_requests = stop_requests
     install_error_handlers(app)
     api_key = config.api.api_key or os.environ.get("HYBRIDLB_API_KEY") or os.environ.get("VLLM_API_KEY")
     slots = Slots(config.api.max_concurrent_requests)

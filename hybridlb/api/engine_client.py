@@ -163,11 +163,11 @@ class EngineConnection:
             return False
         if seq > self.seq + 1:
             lost = seq - self.seq - 1
-            self._fail_all(f"engine {self.rank}: {lost} output messages were lost on the way", "lost_output")
+            self.fail_all(f"engine {self.rank}: {lost} output messages were lost on the way", "lost_output")
         self.seq = seq
         return True
 
-    def _fail_all(self, reason: str, kind: str, log_level: int = logging.ERROR) -> None:
+    def fail_all(self, reason: str, kind: str, log_level: int = logging.ERROR) -> None:
         """Fail every in-flight request of this connection and abort them in the engine."""
         if self.streams:
             log.log(log_level, "%s; failing its %d in-flight requests", reason, len(self.streams))
@@ -184,7 +184,7 @@ class EngineConnection:
     def _resync(self, reason: str, kind: str) -> None:
         """Start over with the engine: fail our requests, register again (the engine aborts
         whatever of ours it still runs and answers EngineReady)."""
-        self._fail_all(f"engine {self.rank}: {reason}", kind)
+        self.fail_all(f"engine {self.rank}: {reason}", kind)
         self.alive = False
         self._ready.clear()
         self._send(Hello(self.client_id))
@@ -222,7 +222,7 @@ class EngineConnection:
                 self._resync("an error in the API server while watching the connection", "reader_error")
 
     def _mark_down(self, reason: str, log_level: int = logging.ERROR) -> None:
-        self._fail_all(reason, "engine_down", log_level)
+        self.fail_all(reason, "engine_down", log_level)
         self.alive = False
         self._ready.clear()
 

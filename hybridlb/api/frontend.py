@@ -114,6 +114,13 @@ class Frontend:
                     "start without it")
         return None
 
+    def stop_requests(self) -> None:
+        """This process is stopping (SIGTERM, Ctrl-C, its node giving up): end every in-flight
+        request now with an error its client sees, rather than have the connection cut when
+        the grace period ends (the node stops its engines at the same time)."""
+        for engine in self.engines:
+            engine.fail_all(f"engine {engine.rank}: the API server is shutting down", "shutdown", logging.INFO)
+
     def problems(self) -> list[str]:
         """What is down but does not stop this server from serving (dense models)."""
         found = [f"engine {rank} is down" for rank in self.down_ranks]

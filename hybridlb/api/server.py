@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import signal
 import socket
@@ -33,7 +34,25 @@ def listen(host: str, port: int, shared: bool) -> socket.socket:
 class _Server(uvicorn.Server):
     """uvicorn, minus re-raising the signal that stopped it: SIGTERM or Ctrl-C (which the
     whole process group gets) is an orderly stop here, answered with a graceful shutdown
-    and exit code 0, not a KeyboardInterrupt traceback."""
+    and exit code 0, not a KeyboardInterrupt traceback. A stop first ends every in-flight
+    request with an error (``on_stop``): the node stops its engines at the same time, so
+    they could not finish, and a stream cut at the end of the grace period tells its client
+    nothing."""
+
+    def __init__(self, config: uvicorn.Config, on_stop=None):
+        super().__init__(config)
+        self.on_stop = on_stop
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def stop(self) -> None:
+        """Ask the server to stop (from a signal handler or another thread)."""
+        self.should_exit = True
+        if self.on_stop is not None and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self.on_stop)
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -48,13 +67,13 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
     def _stop(self, *_) -> None:
-        self.should_exit = True
+        self.stop()
 
 
-def make_server(app, config: Config) -> uvicorn.Server:
+def make_server(app, config: Config) -> _Server:
     """The HTTP server of one API server, for ``serve``'s processes and Ray's actors alike."""
     return _Server(uvicorn.Config(app, log_level=config.api.log_level, access_log=False, loop="uvloop",
-                                  http="httptools", timeout_graceful_shutdown=3))
+                                  http="httptools", timeout_graceful_shutdown=3), on_stop=app.state.stop_requests)
 
 
 def run_api_server(config: Config, spec: ApiServerSpec, host: str, port: int, shared_port: bool = False,

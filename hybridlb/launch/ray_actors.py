@@ -173,7 +173,7 @@ class ApiServer:
         return ray.get_runtime_context().get_node_id()
 
     def stop(self) -> None:
-        self.server.should_exit = True
+        self.server.stop()
         self.thread.join(5)
 
     def __repr__(self) -> str:

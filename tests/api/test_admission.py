@@ -63,7 +63,8 @@ def test_the_limit_counts_sequences_in_flight(limited):
 
 
 def test_a_full_engine_queue_answers_429(tiny_qwen3):
-    server = start_server(tiny_qwen3, "--max-num-seqs", "1", "--max-queued-requests", "1")
+    # Simulated steps (10 ms): the streams must still run when the probe arrives, on any machine.
+    server = start_server(tiny_qwen3, "--max-num-seqs", "1", "--max-queued-requests", "1", "--simulate-step-ms", "10")
     try:
         events = [(threading.Event(), threading.Event()) for _ in range(2)]
         for started, done in events:  # one runs, one waits in the queue

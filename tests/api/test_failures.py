@@ -101,3 +101,20 @@ def test_ctrl_c_is_an_orderly_stop(tiny_qwen3):
     assert "Traceback" not in server.output and " ERROR " not in server.output, server.output
     assert "stopping" in server.output
     assert not runtime_dir.exists()
+
+
+def test_a_stop_ends_streams_in_flight_with_an_error_event(tiny_qwen3):
+    """SIGTERM stops the engines too, so a stream cannot finish: its client gets an error event,
+    not a connection cut when the grace period ends."""
+    (server,) = start_servers(Server(tiny_qwen3, "--simulate-step-ms", "20"))
+    body = {"model": server.model, "prompt": "stop me", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    events = []
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as response:
+        for line in filter(None, response.iter_lines()):
+            events.append(line)
+            if len(events) == 10:
+                server.process.send_signal(signal.SIGTERM)
+    assert server.process.wait(30) == 0
+    errors = [e for e in events if e.startswith('data: {"error"')]
+    assert len(errors) == 1 and "shutting down" in errors[0], events[-3:]
+    assert events[-1] == "data: [DONE]"

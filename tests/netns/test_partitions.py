@@ -1,0 +1,167 @@
+"""Network partitions between hosts (tests/netns): a node's link cut mid-stream, then restored.
+
+A cut host is alive but silent, its connections half-open: nothing tells its peers it is gone
+but the silence itself. Dense ranks are independent, so their clients must not notice; a MoE
+expert-parallel group cannot step without every rank, so its requests must fail within
+``--dp-timeout`` (never hang) and the group must form again once the nodes are restarted, as
+their supervisor would.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.netns.test_serve_hosts import dp_flags, expected, serve_on, texts
+from tests.servers import Server, completion, start_servers
+
+pytestmark = pytest.mark.slow
+SIMULATED = ("--simulate-step-ms", "20")  # dense cases: the network is under test, not the model
+
+
+class Stream(threading.Thread):
+    """One streaming completion in the background: its events, how it ended, and when."""
+
+    def __init__(self, url: str, model: str, max_tokens: int):
+        super().__init__(daemon=True)
+        self.url, self.model, self.max_tokens = url, model, max_tokens
+        self.tokens, self.error, self.done_after = 0, None, None
+        self.started = time.monotonic()
+        self.start()
+
+    def run(self) -> None:
+        body = {"model": self.model, "prompt": "partition", "max_tokens": self.max_tokens, "ignore_eos": True,
+                "stream": True, "temperature": 0}
+        try:
+            with httpx.stream("POST", f"{self.url}/v1/completions", json=body,
+                              timeout=httpx.Timeout(90, connect=5)) as response:
+                for line in response.iter_lines():
+                    if line.startswith('data: {"error"'):
+                        self.error = line
+                    elif line.startswith("data: {"):
+                        self.tokens += 1
+        except httpx.HTTPError as exc:
+            self.error = f"{type(exc).__name__}: {exc}"  # a cut connection: what must not happen
+        self.done_after = time.monotonic() - self.started
+
+
+def poll(check, timeout_s: float, every_s: float = 0.25):
+    """Call ``check()`` until it returns something true; return it and the seconds it took."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        try:
+            if result := check():
+                return result, time.monotonic() - started
+        except httpx.HTTPError:  # a host just healed may not answer at once (ARP)
+            pass
+        time.sleep(every_s)
+    raise AssertionError(f"not within {timeout_s} s")
+
+
+def lost_ranks(server: Server) -> list[int]:
+    return httpx.get(f"{server.url}/ranks", timeout=3).json()["lost_ranks"]
+
+
+def test_dense_cut_node_is_reported_lost_its_peers_serve_on_and_it_heals(network, tiny_qwen3):
+    a, b = network.hosts[:2]
+    head = serve_on(network, a, tiny_qwen3, *dp_flags(network, 4, 2, 0, 29600), *SIMULATED)
+    worker = serve_on(network, b, tiny_qwen3, *dp_flags(network, 4, 2, 2, 29600), *SIMULATED)
+    start_servers(head, worker)
+    try:
+        streams = [Stream(head.url, tiny_qwen3, 300) for _ in range(2)]  # ~6 s each
+        cut_streams = [Stream(worker.url, tiny_qwen3, 300) for _ in range(2)]
+        time.sleep(1)
+        network.cut(b)
+        _, detected_s = poll(lambda: lost_ranks(head) == [2, 3], 10)
+        for stream in streams:  # the head's clients never notice
+            stream.join(30)
+            assert (stream.tokens, stream.error) == (300, None)
+        completion(head.url, tiny_qwen3, "during the cut")
+        network.heal(b)
+        _, healed_s = poll(lambda: lost_ranks(head) == [], 15)
+        for stream in cut_streams:  # a short cut: TCP carries the worker's streams through it
+            stream.join(60)
+            assert (stream.tokens, stream.error) == (300, None)
+        completion(worker.url, tiny_qwen3, "after the cut")
+        print(f"\ndense partition: lost after {detected_s:.1f} s, healed {healed_s:.1f} s after the link came back")
+        assert detected_s < 6
+    finally:
+        network.heal(b)
+        for server in (worker, head):
+            server.stop()
+
+
+def test_dense_node_cut_off_from_the_coordinator_keeps_serving(network, tiny_qwen3):
+    a, b = network.hosts[:2]
+    head = serve_on(network, a, tiny_qwen3, *dp_flags(network, 4, 2, 0, 29610), *SIMULATED)
+    worker = serve_on(network, b, tiny_qwen3, *dp_flags(network, 4, 2, 2, 29610), *SIMULATED)
+    start_servers(head, worker)
+    try:
+        network.cut(a)  # the head and its coordinator
+        for _ in range(8):  # across the head-silence window (5 s): still served, never refused
+            completion(worker.url, tiny_qwen3, "no coordinator", max_tokens=16)
+            time.sleep(1)
+        assert worker.process.poll() is None
+        assert "keep serving" in worker.output
+        network.heal(a)
+        poll(lambda: lost_ranks(head) == [], 15)
+    finally:
+        network.heal(a)
+        for server in (worker, head):
+            server.stop()
+
+
+def test_moe_cut_node_fails_every_rank_fast_and_the_group_forms_again(network, checkpoints):
+    model = checkpoints("qwen3_moe")
+    a, b = network.hosts[:2]
+    flags = ("--enable-expert-parallel", "--dp-timeout", "8", "--restart-policy", "restart")
+
+    def cluster() -> list[Server]:
+        return start_servers(serve_on(network, a, model, *dp_flags(network, 4, 2, 0, 29620), *flags),
+                             serve_on(network, b, model, *dp_flags(network, 4, 2, 2, 29620), *flags))
+
+    head, worker = cluster()
+    try:
+        streams = [Stream(head.url, model, 480) for _ in range(2)]
+        time.sleep(1)
+        network.cut(b)
+        for stream in streams:  # errors, not hangs: within the collective timeout and a margin
+            stream.join(30)
+            assert stream.error is not None and '"error"' in stream.error, stream.error
+            assert stream.done_after < 8 + 10
+        # restart policy: each node exits so that its supervisor recreates the group
+        assert head.process.wait(30) == 1
+        assert "broke the expert-parallel group" in head.output
+        network.heal(b)
+        assert worker.process.wait(30) == 1
+        head, worker = cluster()  # the supervisor's part
+        assert texts(head.url, model) == texts(worker.url, model) == expected(model)
+    finally:
+        network.heal(b)
+        for server in (worker, head):
+            server.stop()
+
+
+def test_moe_node_cut_off_from_the_head_ends_its_streams_with_errors(network, checkpoints):
+    model = checkpoints("qwen3_moe")
+    a, b = network.hosts[:2]
+    flags = ("--enable-expert-parallel", "--dp-timeout", "8")
+    head = serve_on(network, a, model, *dp_flags(network, 4, 2, 0, 29630), *flags)
+    worker = serve_on(network, b, model, *dp_flags(network, 4, 2, 2, 29630), *flags)
+    start_servers(head, worker)
+    try:
+        streams = [Stream(worker.url, model, 480) for _ in range(2)]
+        time.sleep(1)
+        network.cut(a)
+        for stream in streams:  # the worker stops (it cannot step without the head): no cut connections
+            stream.join(30)
+            assert stream.error is not None and "shutting down" in stream.error, stream.error
+        assert worker.process.wait(30) == 1
+        assert "cannot serve without the head" in worker.output
+    finally:
+        network.heal(a)
+        for server in (worker, head):
+            server.stop()
