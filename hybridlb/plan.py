@@ -212,16 +212,18 @@ def _check_ports(plan: ClusterPlan, problems: list[str]) -> None:
             claim(node.address, api.port, f"API server {api.name.split('.')[0]}")
 
 
-def _default_node_address(config: Config, start_rank: int) -> str | None:
-    """A node's address when the config does not name it: the head's for the head, and for the
-    others the head's too on a one-machine (loopback) cluster; otherwise None, and the node
-    learns it at start (the address that routes to the head, ``netaddr.route_to``)."""
+def _default_node_address(config: Config, start_rank: int, listed: bool) -> str | None:
+    """A node's address when the config does not name it: the head's for the head. Another
+    node of a ``nodes`` list is a host of its own (Ray places it, a LeaderWorkerSet schedules
+    it); one described by the per-node flags runs beside the head on a one-machine (loopback)
+    cluster. Otherwise None: the node learns it at start (the address routing to the head,
+    ``netaddr.route_to``)."""
     dp = config.data_parallel
     if start_rank == 0:
         return dp.address
     if dp.node_address:
         return dp.node_address
-    return dp.address if _is_loopback(dp.address) else None
+    return dp.address if _is_loopback(dp.address) and not listed else None
 
 
 def _is_loopback(host: str) -> bool:
@@ -253,7 +255,7 @@ def plan_cluster(config: Config, is_moe: bool | None = False) -> ClusterPlan:
     for index, (start, size_local, headless, address, api_port) in enumerate(specs):
         ranks = tuple(range(start, start + size_local))
         node_index = index if dp.nodes else start // max(1, size_local)
-        host = address or _default_node_address(config, start)
+        host = address or _default_node_address(config, start, listed=bool(dp.nodes))
         port = api_port if api_port is not None else config.api.port
         servers = _api_servers(config, mode, node_index, start, ranks, headless, config.api.host, port)
         nodes.append(NodePlan(node_index, start, ranks, headless, host, servers))

@@ -44,24 +44,27 @@ class Server:
     """One `hybridlb serve` process tree (one node)."""
 
     def __init__(self, model: str, *flags: str, port: int | None = None, own_group: bool = False,
-                 host: str = "127.0.0.1", launcher=None):
+                 host: str = "127.0.0.1", launcher=None, command: list[str] | None = None, env=None):
         """``own_group``: a process group of its own, so a test can Ctrl-C it as a terminal would.
         ``host``: where its API listens (``--host``); ``launcher``: wraps the command line (e.g. to
-        run it on a host of ``tests/netns``)."""
+        run it on a host of ``tests/netns``); ``command``: run this instead of the usual
+        ``hybridlb serve`` line (its API at ``host:port``), with ``env`` added."""
         self.port = port or free_port()
         self.url = f"http://{host}:{self.port}"
         self.model = model
-        # float32 unless a test asks otherwise: token-for-token comparisons are exact only there.
-        dtype = [] if "--dtype" in flags else ["--dtype", "float32"]
-        command = [sys.executable, "-m", "hybridlb", "serve", "--model", model, "--port", str(self.port),
-                   "--max-model-len", "512", "--kv-cache-gib", "0.05", *dtype, *flags]
-        if host != "127.0.0.1":
-            command += ["--host", host]
+        if command is None:
+            # float32 unless a test asks otherwise: token-for-token comparisons are exact only there.
+            dtype = [] if "--dtype" in flags else ["--dtype", "float32"]
+            command = [sys.executable, "-m", "hybridlb", "serve", "--model", model, "--port", str(self.port),
+                       "--max-model-len", "512", "--kv-cache-gib", "0.05", *dtype, *flags]
+            if host != "127.0.0.1":
+                command += ["--host", host]
         if launcher is not None:
             command = launcher(command)
         # If this test process dies, the server gets SIGTERM instead of living on.
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                        preexec_fn=die_with_parent, start_new_session=own_group)
+                                        preexec_fn=die_with_parent, start_new_session=own_group,
+                                        env={**os.environ, **env} if env else None)
         self.lines: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
 

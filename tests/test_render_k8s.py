@@ -2,21 +2,28 @@
 
 from __future__ import annotations
 
+import gzip
+import json
 import re
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 
+import jsonschema
+import pytest
 import yaml
 
 from hybridlb.config import load_config
-from hybridlb.launch.k8s import RenderError, render
+from hybridlb.launch.k8s import PodOptions, RenderError, render, whole_cluster
 from hybridlb.plan import plan_cluster
 
 
-def _documents(config_path: str) -> list[dict]:
-    config = load_config(config_path)
-    return list(yaml.safe_load_all(render(config, plan_cluster(config, is_moe=None), "img:1")))
+def _documents(config_path: str, **options) -> list[dict]:
+    config = whole_cluster(load_config(config_path))
+    rendered = render(config, plan_cluster(config, is_moe=None), PodOptions(**{"image": "img:1", "memory_gib": 8,
+                                                                                 **options}))
+    return list(yaml.safe_load_all(rendered))
 
 
 def _command_for(pod: dict, index: int, leader: str) -> list[str]:
@@ -55,8 +62,93 @@ def test_uneven_nodes_cannot_be_a_leaderworkerset(tmp_path):
                     "{size_local: 1, address: 10.0.0.2}]}\n")
     config = load_config(path)
     try:
-        render(config, plan_cluster(config, is_moe=None), "img")
+        render(config, plan_cluster(config, is_moe=None), PodOptions(memory_gib=8))
     except RenderError as exc:
         assert "same number of ranks on every node" in str(exc)
     else:
         raise AssertionError("rendered an uneven cluster")
+
+
+def test_a_cluster_without_node_addresses_renders_with_its_token_in_a_secret(tmp_path, tiny_qwen3):
+    """What a Kubernetes user knows in advance: the size, ranks per pod, the model; not the pods' IPs."""
+    path = tmp_path / "lws.yaml"
+    path.write_text(f"engine: {{model: {tiny_qwen3}, kv_cache_gib: 1}}\n"
+                    "data_parallel: {size: 4, size_local: 2, cluster_token: s3cret-token-for-the-test}\n")
+    docs = _documents(str(path), memory_gib=None, model_host_path="/data/tiny")
+    assert [d["kind"] for d in docs] == ["ConfigMap", "Secret", "LeaderWorkerSet", "Service", "Service"]
+    assert "s3cret" not in docs[0]["data"]["config.yaml"] and docs[1]["stringData"]["token"] == "s3cret-token-for-the-test"
+    pod = docs[2]["spec"]["leaderWorkerTemplate"]["workerTemplate"]
+    container = pod["spec"]["containers"][0]
+    assert container["env"][0]["valueFrom"]["secretKeyRef"] == {"name": "hybridlb-default-token", "key": "token"}
+    # Two engines of a 0.56M-parameter model in float32 (auto on CPU counts 4 bytes), 1 GiB KV and
+    # 0.75 GiB overhead each, 1 GiB for the API server: 4.5 GiB, rounded up to a quarter GiB.
+    assert container["resources"]["requests"]["memory"] == "4864Mi"
+    assert {"name": "model", "mountPath": tiny_qwen3, "readOnly": True} in container["volumeMounts"]
+    assert {"name": "model", "hostPath": {"path": "/data/tiny", "type": "Directory"}} in pod["spec"]["volumes"]
+    assert container["startupProbe"]["failureThreshold"] * container["startupProbe"]["periodSeconds"] >= 1800
+    assert "initialDelaySeconds" not in container["livenessProbe"]
+    assert pod["metadata"]["labels"]["llm-d.ai/inference-serving"] == "true"
+
+
+def test_render_names_what_is_missing(tmp_path):
+    path = tmp_path / "lws.yaml"
+    path.write_text("engine: {model: /nowhere/model}\ndata_parallel: {size: 3, size_local: 2}\n")
+    run = subprocess.run([sys.executable, "-m", "hybridlb", "render", "k8s", str(path)], capture_output=True, text=True)
+    assert run.returncode != 0 and "multiple of --data-parallel-size-local" in run.stderr
+    path.write_text("engine: {model: /nowhere/model}\ndata_parallel: {size: 4, size_local: 2}\n")
+    run = subprocess.run([sys.executable, "-m", "hybridlb", "render", "k8s", str(path)], capture_output=True, text=True)
+    assert run.returncode != 0 and "--memory-gib" in run.stderr
+
+
+SCHEMAS = Path(__file__).parent / "k8s_schemas"
+
+
+def _schema(name: str) -> dict:
+    with gzip.open(SCHEMAS / f"{name}.json.gz", "rt") as handle:
+        return json.load(handle)
+
+
+def _problems(document: dict, schema: dict) -> list[str]:
+    validator = jsonschema.Draft7Validator(schema)
+    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(document)]
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_manifest_validates_against_the_kubernetes_and_leaderworkerset_schemas(tmp_path, tiny_qwen3, device):
+    path = tmp_path / "lws.yaml"
+    path.write_text(f"engine: {{model: {tiny_qwen3}, device: {device}}}\n"
+                    "data_parallel: {size: 4, size_local: 2, cluster_token: a-token-of-thirty-two-characters}\n")
+    docs = _documents(str(path), memory_gib=None, model_pvc="models")
+    schemas = {kind: _schema(f"{kind.lower()}-v1") for kind in ("ConfigMap", "Secret", "Service", "LeaderWorkerSet")}
+    templates = _schema("podtemplatespec-v1")
+    for document in docs:
+        assert _problems(document, schemas[document["kind"]]) == [], document["kind"]
+        if document["kind"] == "LeaderWorkerSet":  # the CRD schema lets unknown fields through: check strictly
+            lws = document["spec"]["leaderWorkerTemplate"]
+            for role in ("leaderTemplate", "workerTemplate"):
+                assert _problems(lws[role], templates) == [], role
+
+
+def test_the_schema_check_catches_a_bad_manifest(tmp_path, tiny_qwen3):
+    """The check above can fail: a misspelt container field and a wrong type are reported."""
+    path = tmp_path / "lws.yaml"
+    path.write_text(f"engine: {{model: {tiny_qwen3}}}\ndata_parallel: {{size: 2, size_local: 1}}\n")
+    lws = next(d for d in _documents(str(path), memory_gib=None) if d["kind"] == "LeaderWorkerSet")
+    lws["spec"]["leaderWorkerTemplate"]["size"] = "2"
+    worker = lws["spec"]["leaderWorkerTemplate"]["workerTemplate"]
+    worker["spec"]["containers"][0]["volumeMount"] = []
+    assert _problems(lws, _schema("leaderworkerset-v1"))
+    assert any("volumeMount" in p for p in _problems(worker, _schema("podtemplatespec-v1")))
+
+
+def test_the_dockerfile_installs_the_pinned_torch_and_runs_the_manifests_command():
+    """No Docker engine runs here, so the image is not built in the tests: what can drift is
+    checked instead (the torch pin, the package, the command the pods run)."""
+    dockerfile = (Path(__file__).parents[1] / "Dockerfile").read_text()
+    pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    pin = re.search(r'"torch==([^"]+)"', pyproject).group(1)
+    assert f"ARG TORCH={pin}\n" in dockerfile
+    assert "COPY hybridlb ./hybridlb" in dockerfile and "pip install --no-cache-dir ." in dockerfile
+    assert "gcc" in dockerfile  # the CPU kernels are compiled on first start
+    script = _documents("configs/multinode.yaml")[1]["spec"]["leaderWorkerTemplate"]["leaderTemplate"]
+    assert "exec hybridlb serve" in script["spec"]["containers"][0]["command"][2]  # on the image's PATH

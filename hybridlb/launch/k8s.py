@@ -1,21 +1,52 @@
 """``hybridlb render k8s``: the same cluster as a LeaderWorkerSet (one pod per node, no Ray).
 
-Each pod runs ``hybridlb serve`` with the shared config (a ConfigMap) and computes its
-start rank from the worker index LeaderWorkerSet gives it; the leader (index 0) is the
-head node. Every node that serves HTTP gets a Service and ``/health`` probes, which is
-the one-pod-per-node shape llm-d deploys.
+Each pod runs ``hybridlb serve`` with the shared config (a ConfigMap mounted as a file) and
+computes its start rank from the worker index LeaderWorkerSet gives it; the leader (index 0)
+is the head node, reached by every pod at ``$LWS_LEADER_ADDRESS`` (a DNS name), so no node
+address need be known in advance. The cluster token lives in a Secret, read from the
+environment. The model comes from a volume (a PersistentVolumeClaim or a host path, mounted
+where ``engine.model`` points) or is baked into the image. Every pod gets a memory request
+sized from the model, a memory-backed ``/dev/shm``, a startup probe that gives a slow load
+its time before liveness applies, and labels an llm-d InferencePool can select; every node
+that serves HTTP gets a Service.
 """
 
 from __future__ import annotations
 
+import math
+import posixpath
+from dataclasses import dataclass
+
 import yaml
 
-from hybridlb.config import Config
+from hybridlb.config import Config, NodeConfig
 from hybridlb.plan import ClusterPlan
 
 CONFIG_PATH = "/etc/hybridlb/config.yaml"
 LWS_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
 LWS_NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"
+# What llm-d's InferencePools select model servers by: the key since January 2026, and the
+# camel-case one its older guides use.
+SERVING_LABELS = ("llm-d.ai/inference-serving", "llm-d.ai/inferenceServing")
+STARTUP_PERIOD_S, STARTUP_MAX_S = 10, 1800  # a pod may load for up to 30 min before liveness applies
+ENGINE_OVERHEAD_GIB = 0.75  # torch, kernels and activations of one CPU engine, beyond weights and KV
+API_SERVER_GIB = 1.0
+
+
+class RenderError(ValueError):
+    """The cluster cannot be expressed as a LeaderWorkerSet; the message says why."""
+
+
+@dataclass(frozen=True)
+class PodOptions:
+    """What the config does not say about the pods: their image, where the model comes from
+    (``model_pvc`` or ``model_host_path``; neither: inside the image), and their memory."""
+
+    image: str | None = None  # default: what the Dockerfile's build commands tag, hybridlb:cpu or hybridlb:cuda
+    model_pvc: str | None = None
+    model_host_path: str | None = None
+    memory_gib: float | None = None  # default: estimated from the model (``pod_memory_gib``)
+    shm_gib: float = 1.0
 
 
 class _NoAliases(yaml.SafeDumper):
@@ -25,8 +56,18 @@ class _NoAliases(yaml.SafeDumper):
         return True
 
 
-class RenderError(ValueError):
-    """The cluster cannot be expressed as a LeaderWorkerSet; the message says why."""
+def whole_cluster(config: Config) -> Config:
+    """``config`` with every node listed: as given, or ``size / size_local`` equal nodes when it
+    describes one node of a cluster (what a LeaderWorkerSet repeats)."""
+    dp = config.data_parallel
+    if dp.nodes or dp.rank is not None:
+        return config
+    size_local = dp.size_local or dp.size
+    if dp.size % size_local:
+        raise RenderError(f"data-parallel size {dp.size} is not a whole number of nodes of {size_local} ranks; "
+                          "make --data-parallel-size a multiple of --data-parallel-size-local")
+    nodes = [NodeConfig(size_local=size_local) for _ in range(dp.size // size_local)]
+    return config.model_copy(update={"data_parallel": dp.model_copy(update={"nodes": nodes, "size_local": None})})
 
 
 def serve_command(plan: ClusterPlan, size_local: int, headless: bool) -> str:
@@ -42,39 +83,82 @@ def serve_command(plan: ClusterPlan, size_local: int, headless: bool) -> str:
     return f"START_RANK=$((LWS_WORKER_INDEX * {size_local})); exec " + " ".join(flags)
 
 
-def _container(config: Config, plan: ClusterPlan, size_local: int, headless: bool, image: str) -> dict:
+def pod_memory_gib(config: Config, size_local: int, headless: bool) -> float:
+    """A pod's memory request: each engine holds the weights in its serving dtype (``auto``
+    counts as float32 on CPU, where it depends on the node's CPU), plus on CPU its KV cache,
+    plus a fixed overhead; an API server adds its own. Reads the model's config here."""
+    from hybridlb.model.spec import load_spec
+
+    engine = config.engine
+    wide = engine.dtype == "float32" or (engine.dtype == "auto" and engine.device == "cpu")
+    weights = load_spec(engine.model).num_parameters * (4 if wide else 2) / 2**30
+    kv = engine.kv_cache_gib if engine.device == "cpu" else 0.0
+    total = size_local * (weights + kv + ENGINE_OVERHEAD_GIB) + (0 if headless else API_SERVER_GIB)
+    return math.ceil(total * 4) / 4
+
+
+def _container(config: Config, plan: ClusterPlan, size_local: int, headless: bool, options: PodOptions,
+               name: str) -> dict:
     cpus = size_local * config.ray.cpus_per_engine + (0 if headless else config.ray.cpus_per_api_server)
-    resources = {"requests": {"cpu": str(cpus)}}
+    memory = _mebibytes(options.memory_gib or pod_memory_gib(config, size_local, headless))
+    resources = {"requests": {"cpu": f"{math.ceil(cpus * 1000)}m", "memory": memory}, "limits": {"memory": memory}}
     if config.engine.device == "cuda":
-        gpus = int(size_local * (config.ray.gpus_per_engine or 1))
-        resources["limits"] = {"nvidia.com/gpu": str(gpus)}
+        resources["limits"]["nvidia.com/gpu"] = str(int(size_local * (config.ray.gpus_per_engine or 1)))
+    mounts = [{"name": "config", "mountPath": posixpath.dirname(CONFIG_PATH)},
+              {"name": "dshm", "mountPath": "/dev/shm"}]
+    if options.model_pvc or options.model_host_path:
+        mounts.append({"name": "model", "mountPath": _model_mount(config.engine.model), "readOnly": True})
     container = {
-        "name": "hybridlb", "image": image, "command": ["sh", "-c", serve_command(plan, size_local, headless)],
-        "resources": resources, "volumeMounts": [{"name": "config", "mountPath": "/etc/hybridlb"}],
+        "name": "hybridlb", "image": options.image or f"hybridlb:{config.engine.device}",
+        "command": ["sh", "-c", serve_command(plan, size_local, headless)],
+        "resources": resources, "volumeMounts": mounts,
         "ports": [{"containerPort": plan.rpc_port + i, "name": f"dp-{i}"} for i in range(5)],
     }
+    if config.data_parallel.cluster_token:
+        container["env"] = [{"name": "HYBRIDLB_CLUSTER_TOKEN",
+                             "valueFrom": {"secretKeyRef": {"name": f"{name}-token", "key": "token"}}}]
     if not headless:
         port = config.api.port
         container["ports"].append({"containerPort": port, "name": "http"})
-        probe = {"httpGet": {"path": "/health", "port": port}, "periodSeconds": 10}
-        container["readinessProbe"] = {**probe, "initialDelaySeconds": 5}
-        container["livenessProbe"] = {**probe, "initialDelaySeconds": 300, "failureThreshold": 6}
+        probe = {"httpGet": {"path": "/health", "port": port}, "periodSeconds": STARTUP_PERIOD_S}
+        container["startupProbe"] = {**probe, "failureThreshold": STARTUP_MAX_S // STARTUP_PERIOD_S}
+        container["readinessProbe"] = probe
+        container["livenessProbe"] = {**probe, "failureThreshold": 6}
     return container
 
 
-def _pod(config: Config, plan: ClusterPlan, name: str, role: str, headless: bool, image: str) -> dict:
+def _mebibytes(gib: float) -> str:
+    """A Kubernetes memory quantity."""
+    return f"{math.ceil(gib * 1024)}Mi"
+
+
+def _model_mount(model: str) -> str:
+    """Where the model volume goes: the checkpoint directory, or a GGUF file's directory."""
+    return posixpath.dirname(model) if model.endswith(".gguf") else model
+
+
+def _pod(config: Config, plan: ClusterPlan, name: str, role: str, headless: bool, options: PodOptions) -> dict:
     size_local = len(plan.nodes[0].ranks)
+    labels = {"app.kubernetes.io/name": "hybridlb", "app.kubernetes.io/instance": name, "role": role}
+    if not headless:
+        labels.update(dict.fromkeys(SERVING_LABELS, "true"))
+    volumes = [{"name": "config", "configMap": {"name": f"{name}-config"}},
+               {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": _mebibytes(options.shm_gib)}}]
+    if options.model_pvc:
+        volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": options.model_pvc,
+                                                                   "readOnly": True}})
+    elif options.model_host_path:
+        volumes.append({"name": "model", "hostPath": {"path": options.model_host_path, "type": "Directory"}})
     return {
-        "metadata": {"labels": {"app": name, "role": role}},
-        "spec": {
-            "containers": [_container(config, plan, size_local, headless, image)],
-            "volumes": [{"name": "config", "configMap": {"name": f"{name}-config"}}],
-        },
+        "metadata": {"labels": labels},
+        "spec": {"containers": [_container(config, plan, size_local, headless, options, name)],
+                 "volumes": volumes},
     }
 
 
-def render(config: Config, plan: ClusterPlan, image: str) -> str:
-    """The manifest: ConfigMap, LeaderWorkerSet, and one Service per serving node."""
+def render(config: Config, plan: ClusterPlan, options: PodOptions = PodOptions()) -> str:
+    """The manifest: ConfigMap, Secret (with a cluster token), LeaderWorkerSet, and one
+    Service per serving node."""
     sizes = {len(node.ranks) for node in plan.nodes}
     if len(sizes) > 1:
         raise RenderError("a LeaderWorkerSet gives every pod the same template: put the same number of ranks "
@@ -82,21 +166,26 @@ def render(config: Config, plan: ClusterPlan, image: str) -> str:
     worker_headless = {node.headless for node in plan.nodes[1:]}
     if len(worker_headless) > 1:
         raise RenderError("the non-head nodes must all be headless or all serve HTTP")
+    if options.model_pvc and options.model_host_path:
+        raise RenderError("the model comes from one volume: pass --model-pvc or --model-host-path, not both")
     name = f"hybridlb-{config.ray.name}"
     shared = config.model_dump(mode="json", exclude_unset=True, exclude={"ray"})
     dp = shared.setdefault("data_parallel", {})
-    for per_node in ("nodes", "start_rank", "size_local", "headless", "node_address", "rank"):
+    for per_node in ("nodes", "start_rank", "size_local", "headless", "node_address", "rank", "address",
+                     "cluster_token"):
         dp.pop(per_node, None)
-    documents = [
-        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"{name}-config"},
-         "data": {"config.yaml": yaml.safe_dump(shared, sort_keys=False)}},
+    documents = [{"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"{name}-config"},
+                  "data": {"config.yaml": yaml.safe_dump(shared, sort_keys=False)}}]
+    if config.data_parallel.cluster_token:
+        documents.append({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": f"{name}-token"},
+                          "type": "Opaque", "stringData": {"token": config.data_parallel.cluster_token}})
+    worker_is_headless = bool(worker_headless and worker_headless.pop())
+    documents.append(
         {"apiVersion": "leaderworkerset.x-k8s.io/v1", "kind": "LeaderWorkerSet", "metadata": {"name": name},
          "spec": {"replicas": 1, "leaderWorkerTemplate": {
              "size": len(plan.nodes), "restartPolicy": "RecreateGroupOnPodRestart",
-             "leaderTemplate": _pod(config, plan, name, "leader", plan.nodes[0].headless, image),
-             "workerTemplate": _pod(config, plan, name, "worker", bool(worker_headless and worker_headless.pop()),
-                                    image)}}},
-    ]
+             "leaderTemplate": _pod(config, plan, name, "leader", plan.nodes[0].headless, options),
+             "workerTemplate": _pod(config, plan, name, "worker", worker_is_headless, options)}}})
     for node in plan.nodes:
         if node.headless:
             continue

@@ -90,6 +90,19 @@ class ModelSpec:
     def is_moe_layer(self, layer: int) -> bool:
         return self.is_moe and self.moe_layers[layer]
 
+    @property
+    def num_parameters(self) -> int:
+        """Weights the model holds (all experts; a tied output layer counted once)."""
+        hidden, dim = self.hidden_size, self.head_dim
+        attention = hidden * (self.num_heads + 2 * self.num_kv_heads) * dim + self.num_heads * dim * hidden
+        attention += (self.num_heads + 2 * self.num_kv_heads) * dim if self.attention_bias else 0
+        attention += 2 * dim if self.qk_norm else 0
+        dense = 3 * hidden * self.intermediate_size
+        moe = self.num_experts * 3 * hidden * self.moe_intermediate_size + hidden * self.num_experts
+        layers = sum(attention + 2 * hidden + (moe if self.is_moe_layer(i) else dense) for i in range(self.num_layers))
+        embeddings = self.vocab_size * hidden * (1 if self.tie_word_embeddings else 2)
+        return layers + embeddings + hidden  # + the final norm
+
 
 def _require(cfg: dict, key: str, path: Path) -> Any:
     if key not in cfg:

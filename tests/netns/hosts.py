@@ -16,6 +16,7 @@ id, and ``sweep()`` removes what an earlier, killed run of the same process id l
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -83,11 +84,21 @@ class HostNetwork:
     def host(self, name: str) -> Host:
         return next(h for h in self.hosts if h.name == name)
 
-    def command(self, host: Host, argv: list[str]) -> list[str]:
-        """``argv`` as run on ``host``: in its namespace, with its hostname (one exec chain, so the
-        process id the caller gets is the command's own)."""
+    def command(self, host: Host, argv: list[str], mounts: dict[str, str] | None = None) -> list[str]:
+        """``argv`` as run on ``host``: in its namespace, with its hostname and, in its own mount
+        namespace (``ip netns exec`` makes one), ``mounts`` (path there → directory here) bound
+        in place, as a kubelet mounts a pod's volumes. One exec chain, so the process id the
+        caller gets is the command's own."""
+        binds = "".join(f" && mount --bind {shlex.quote(source)} {shlex.quote(target)}"
+                        for target, source in (mounts or {}).items())
         return ["ip", "netns", "exec", host.netns, "unshare", "--uts", "--", "sh", "-c",
-                'hostname "$0" && exec "$@"', host.hostname, *argv]
+                f'hostname "$0"{binds} && exec "$@"', host.hostname, *argv]
+
+    def alias(self, host: Host, name: str) -> None:
+        """Make ``name`` resolve to ``host`` on every host (a DNS record, e.g. a pod's service name)."""
+        for each in self.hosts:
+            with open(NETNS_ETC / each.netns / "hosts", "a") as hosts:
+                hosts.write(f"{host.address} {name}\n")
 
     def run(self, host: Host, argv: list[str], timeout: float = 60) -> subprocess.CompletedProcess:
         return subprocess.run(self.command(host, argv), capture_output=True, text=True, timeout=timeout)
