@@ -112,3 +112,13 @@ def test_unknown_make_model_arch(tmp_path):
 
     with pytest.raises(ValueError, match="unknown arch 'gpt2'"):
         make_model("gpt2", "tiny", tmp_path / "x")
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "qwen2", "mixtral"])
+def test_the_spec_counts_the_loaded_models_parameters(checkpoints, arch):
+    """What `render k8s` sizes a pod's memory from: exactly the weights the engine holds."""
+    from hybridlb.model.spec import load_spec
+
+    model = checkpoints(arch)
+    loaded = LLM(model, max_model_len=128, kv_cache_gib=0.01, dtype="float32").engine.runner.model
+    assert load_spec(model).num_parameters == sum(p.numel() for p in loaded.parameters())

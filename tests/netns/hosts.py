@@ -15,9 +15,11 @@ id, and ``sweep()`` removes what an earlier, killed run of the same process id l
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,6 +118,10 @@ class HostNetwork:
     def sweep(self) -> None:
         """Remove every namespace, link and hosts file with this test bed's prefix."""
         for host in self.hosts:
+            # Whatever still runs in the namespace was started there by a test (Ray daemons, say).
+            for pid in _ip("netns", "pids", host.netns, check=False).stdout.split():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
             _ip("netns", "del", host.netns, check=False)  # takes the inner veth end, and so the pair, with it
             _ip("link", "del", host.outer, check=False)
             shutil.rmtree(NETNS_ETC / host.netns, ignore_errors=True)
