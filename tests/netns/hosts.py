@@ -96,6 +96,19 @@ class HostNetwork:
         return ["ip", "netns", "exec", host.netns, "unshare", "--uts", "--", "sh", "-c",
                 f'hostname "$0"{binds} && exec "$@"', host.hostname, *argv]
 
+    @contextlib.contextmanager
+    def resolving(self, host: Host, name: str, address: str):
+        """Within the block, processes on ``host`` resolve ``name`` to ``address`` (e.g. a proxy
+        standing in for that name's host) instead of what it was."""
+        hosts = NETNS_ETC / host.netns / "hosts"
+        before = hosts.read_text()
+        others = [line for line in before.splitlines() if name not in line.split()[1:]]
+        hosts.write_text("\n".join([*others, f"{address} {name}"]) + "\n")
+        try:
+            yield
+        finally:
+            hosts.write_text(before)
+
     def alias(self, host: Host, name: str) -> None:
         """Make ``name`` resolve to ``host`` on every host (a DNS record, e.g. a pod's service name)."""
         for each in self.hosts:

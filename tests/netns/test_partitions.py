@@ -9,12 +9,15 @@ their supervisor would.
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 import time
 
 import httpx
 import pytest
 
+from tests.dp.test_clusters import served_per_engine
+from tests.netns.proxy import SlowLink
 from tests.netns.test_serve_hosts import dp_flags, expected, serve_on, texts
 from tests.servers import Server, completion, start_servers
 
@@ -165,3 +168,40 @@ def test_moe_node_cut_off_from_the_head_ends_its_streams_with_errors(network, ch
         network.heal(a)
         for server in (worker, head):
             server.stop()
+
+
+def _burst(url: str, model: str, count: int) -> list[int]:
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        return list(pool.map(lambda i: httpx.post(f"{url}/v1/completions", timeout=60, json={
+            "model": model, "prompt": f"slow link {i}", "max_tokens": 8, "ignore_eos": True}).status_code,
+            range(count)))
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_a_slow_lossy_link_to_the_head_keeps_balancing_and_waves_working(network, tiny_qwen3, checkpoints, moe):
+    """The worker reaches the head (handshake, coordinator, wave messages, rendezvous) through
+    a link with 50 ms of delay each way and 5 % of chunks stalled for a retransmission."""
+    model = checkpoints("qwen3_moe") if moe else tiny_qwen3
+    a, b = network.hosts[:2]
+    rpc = 29640 + 10 * moe
+    flags = ("--enable-expert-parallel",) if moe else ()
+    link = SlowLink(network.bridge_address, a.address, [rpc + i for i in range(5)], delay_s=0.05, loss=0.05)
+    head = serve_on(network, a, model, *dp_flags(network, 4, 2, 0, rpc), *flags)
+    with network.resolving(b, a.name, network.bridge_address):
+        worker = serve_on(network, b, model, *dp_flags(network, 4, 2, 2, rpc), *flags)
+        start_servers(head, worker)
+    try:
+        assert _burst(worker.url, model, 40) == [200] * 40
+        served = served_per_engine(worker.url)
+        assert set(served) == {2, 3} and min(served.values()) >= 40 // 4, served  # both local engines used
+        assert texts(worker.url, model) == texts(head.url, model) == expected(model)
+        time.sleep(2)  # a few heartbeats over the slow link
+        assert lost_ranks(head) == [] and lost_ranks(worker) == []  # slow is not lost
+        if moe:
+            waves = httpx.get(f"{head.url}/ranks", timeout=5).json()["wave"]
+            assert waves["completed"] >= 1, waves
+        assert link.chunks > 0 and link.stalls > 0  # the traffic did cross the slow link
+    finally:
+        for server in (worker, head):
+            server.stop()
+        link.close()
