@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from tests.netns.hosts import HostNetwork
-from tests.netns.test_serve_hosts import expected, texts
-from tests.servers import Server, start_servers
+from tests.netns.test_serve_hosts import expected, ready, texts
+from tests.servers import Server
 
 pytestmark = pytest.mark.slow
 API_PORT = 8800
@@ -73,7 +73,7 @@ def run_pods(network: HostNetwork, docs: list[dict], tmp_path: Path) -> list[Ser
         host = network.hosts[index]
         pods.append(Server(name, port=API_PORT, host=host.address, command=container["command"], env=env,
                            launcher=lambda argv, host=host, mounts=mounts: network.command(host, argv, mounts)))
-    return start_servers(*pods)
+    return ready(f"LeaderWorkerSet pods, {size} hosts", *pods)
 
 
 def cluster_config(model: str, **extra) -> dict:

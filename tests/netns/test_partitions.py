@@ -130,18 +130,23 @@ def test_moe_cut_node_fails_every_rank_fast_and_the_group_forms_again(network, c
     try:
         streams = [Stream(head.url, model, 480) for _ in range(2)]
         time.sleep(1)
+        cut = time.monotonic()
         network.cut(b)
         for stream in streams:  # errors, not hangs: within the collective timeout and a margin
             stream.join(30)
             assert stream.error is not None and '"error"' in stream.error, stream.error
             assert stream.done_after < 8 + 10
+        failed_s = time.monotonic() - cut
         # restart policy: each node exits so that its supervisor recreates the group
         assert head.process.wait(30) == 1
         assert "broke the expert-parallel group" in head.output
         network.heal(b)
         assert worker.process.wait(30) == 1
+        restarted = time.monotonic()
         head, worker = cluster()  # the supervisor's part
         assert texts(head.url, model) == texts(worker.url, model) == expected(model)
+        print(f"\nMoE partition: streams failed {failed_s:.1f} s after the cut (--dp-timeout 8); "
+              f"the group re-formed {time.monotonic() - restarted:.1f} s after the restart")
     finally:
         network.heal(b)
         for server in (worker, head):
@@ -158,10 +163,12 @@ def test_moe_node_cut_off_from_the_head_ends_its_streams_with_errors(network, ch
     try:
         streams = [Stream(worker.url, model, 480) for _ in range(2)]
         time.sleep(1)
+        cut = time.monotonic()
         network.cut(a)
         for stream in streams:  # the worker stops (it cannot step without the head): no cut connections
             stream.join(30)
             assert stream.error is not None and "shutting down" in stream.error, stream.error
+        print(f"\nMoE, head cut off: the worker's streams ended with an error {time.monotonic() - cut:.1f} s later")
         assert worker.process.wait(30) == 1
         assert "cannot serve without the head" in worker.output
     finally:

@@ -60,6 +60,14 @@ def assert_binds_only_own_address(network: HostNetwork, *hosts: Host) -> None:
         assert bound and bound <= {host.address, "127.0.0.1"}, (host.name, bound)
 
 
+def ready(layout: str, *servers: Server) -> list[Server]:
+    """Start ``servers`` together; print how long the layout took to be ready (`pytest -s`)."""
+    started = time.monotonic()
+    start_servers(*servers)
+    print(f"\n{layout}: ready in {time.monotonic() - started:.1f} s")
+    return list(servers)
+
+
 def stop_all(*servers: Server) -> None:
     codes = [server.stop() for server in reversed(servers)]
     assert codes == [0] * len(servers), [s.output[-2000:] for s in servers]
@@ -69,7 +77,7 @@ def test_hybrid_each_host_serves_its_own_ranks(network, tiny_qwen3):
     a, b = network.hosts[:2]
     head = serve_on(network, a, tiny_qwen3, *dp_flags(network, 4, 2, 0, 29500))
     worker = serve_on(network, b, tiny_qwen3, *dp_flags(network, 4, 2, 2, 29500))
-    start_servers(head, worker)
+    ready("hybrid, 2 hosts x 2 ranks", head, worker)
     try:
         for server, ranks in ((head, [0, 1]), (worker, [2, 3])):
             assert httpx.get(f"{server.url}/ranks", timeout=10).json()["ranks"] == ranks
@@ -84,7 +92,7 @@ def test_internal_lb_headless_workers_reach_the_head_by_name(network, tiny_qwen3
     head = serve_on(network, a, tiny_qwen3, *dp_flags(network, 3, 1, 0, 29510), "--lb-mode", "internal")
     workers = [serve_on(network, host, tiny_qwen3, *dp_flags(network, 3, 1, rank, 29510), "--lb-mode", "internal",
                         "--headless") for rank, host in ((1, b), (2, c))]
-    start_servers(head, *workers)
+    ready("internal LB, 3 hosts, 2 headless", head, *workers)
     try:
         engines = sorted(httpx.get(f"{head.url}/ranks", timeout=10).json()["engines"], key=lambda e: e["rank"])
         # Each worker's engine listens on that worker's own address, learnt from its route to the head.
@@ -102,7 +110,7 @@ def test_internal_lb_headless_workers_reach_the_head_by_name(network, tiny_qwen3
 def test_external_lb_one_server_per_rank_on_its_own_host(network, tiny_qwen3):
     servers = [serve_on(network, host, tiny_qwen3, "--data-parallel-size", "2", "--data-parallel-rank", str(rank))
                for rank, host in enumerate(network.hosts[:2])]
-    start_servers(*servers)
+    ready("external LB, 2 hosts x 1 rank", *servers)
     try:
         assert [texts(s.url, tiny_qwen3) for s in servers] == [expected(tiny_qwen3)] * 2
         assert_binds_only_own_address(network, *network.hosts[:2])
@@ -116,7 +124,7 @@ def test_moe_expert_parallel_group_forms_across_hosts(network, checkpoints):
     a, b = network.hosts[:2]
     head = serve_on(network, a, model, *dp_flags(network, 4, 2, 0, 29520), "--enable-expert-parallel")
     worker = serve_on(network, b, model, *dp_flags(network, 4, 2, 2, 29520), "--enable-expert-parallel")
-    start_servers(head, worker)
+    ready("MoE expert parallel, 2 hosts x 2 ranks", head, worker)
     try:
         assert texts(head.url, model) == texts(worker.url, model) == expected(model)
         assert_binds_only_own_address(network, a, b)
@@ -130,7 +138,7 @@ def test_cluster_token_secures_the_links_and_refuses_a_stranger(network, tiny_qw
     token = ("--cluster-token", "netns-secret-token-0123456789")
     head = serve_on(network, a, tiny_qwen3, *dp_flags(network, 4, 2, 0, 29530), *token)
     worker = serve_on(network, b, tiny_qwen3, *dp_flags(network, 4, 2, 2, 29530), *token)
-    start_servers(head, worker)
+    ready("hybrid with a cluster token (CURVE), 2 hosts x 2 ranks", head, worker)
     stranger = serve_on(network, c, tiny_qwen3, *dp_flags(network, 4, 2, 2, 29530),
                         "--cluster-token", "another-token-9876543210abcdef")
     try:
