@@ -27,9 +27,22 @@ from hybridlb.protocol import SamplingParams
 
 log = logging.getLogger(__name__)
 _json = msgspec.json.Encoder()
+# Characters valid raw in JSON that line splitters following str.splitlines() (httpx's
+# aiter_lines, for one) take for line ends, cutting an SSE event in two: sent escaped.
+_LINE_BREAKS = ((b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"))
+
 RANK_HEADER = "x-data-parallel-rank"
 INLINE_BODY_BYTES = 16 * 2**10  # smaller bodies are tokenized on the event loop (a thread hop costs more)
 _preparer = ThreadPoolExecutor(1, thread_name_prefix="prepare")  # one at a time: the GIL serializes them anyway
+
+
+def _event(body) -> bytes:
+    """One SSE event carrying ``body`` as JSON on a single line, whatever text it holds."""
+    data = _json.encode(body)
+    for raw, escaped in _LINE_BREAKS:
+        if raw in data:
+            data = data.replace(raw, escaped)
+    return b"data: " + data + b"\n\n"
 
 
 @dataclass
@@ -253,7 +266,7 @@ def _chunk(job: Job, choice: dict, first: bool) -> bytes:
     else:
         kind = "text_completion"
     body = {"id": job.id, "object": kind, "created": job.created, "model": job.model, "choices": [choice]}
-    return b"data: " + _json.encode(body) + b"\n\n"
+    return _event(body)
 
 
 async def _sse(frontend: Frontend, job: Job, streams: list[AsyncIterator]) -> AsyncIterator[bytes]:
@@ -263,7 +276,7 @@ async def _sse(frontend: Frontend, job: Job, streams: list[AsyncIterator]) -> As
             yield event
     except Exception as exc:
         log.exception("streaming response %s failed", job.id)
-        yield b"data: " + _json.encode(APIError(500, f"internal error: {type(exc).__name__}: {exc}").body()) + b"\n\n"
+        yield _event(APIError(500, f"internal error: {type(exc).__name__}: {exc}").body())
         yield b"data: [DONE]\n\n"
 
 
@@ -322,7 +335,7 @@ async def _events(frontend: Frontend, job: Job, streams: list[AsyncIterator]) ->
     completion = 0
     async for index, item in _merged(job, streams):
         if isinstance(item, APIError):
-            yield b"data: " + _json.encode(item.body()) + b"\n\n"
+            yield _event(item.body())
             continue
         completion += item.num_tokens
         choice = pending[index]
@@ -337,5 +350,5 @@ async def _events(frontend: Frontend, job: Job, streams: list[AsyncIterator]) ->
     if job.include_usage:
         usage = {"id": job.id, "object": f"{job.kind}.chunk" if job.kind == "chat.completion" else job.kind,
                  "created": job.created, "model": job.model, "choices": [], "usage": _usage(job, completion)}
-        yield b"data: " + _json.encode(usage) + b"\n\n"
+        yield _event(usage)
     yield b"data: [DONE]\n\n"

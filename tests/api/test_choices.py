@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -55,3 +57,15 @@ def test_best_of_returns_the_most_likely_candidates(client, server):
 def test_impossible_choice_counts_get_a_400(server, body, param):
     response = httpx.post(f"{server.url}/v1/completions", json={"model": server.model, "prompt": "x", **body})
     assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+
+
+def test_a_streamed_line_separator_in_the_text_stays_inside_its_event(server):
+    """U+2028, U+2029 and U+0085 are plain text in JSON, but clients that split lines the way
+    str.splitlines() does (httpx's aiter_lines) would cut an event holding them raw in two."""
+    prompt = "one\u2028two\u2029three\x85four"
+    body = {"model": server.model, "prompt": prompt, "max_tokens": 2, "echo": True, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]  # each line a whole event
+    assert "".join(e["choices"][0]["text"] for e in events).startswith(prompt)
