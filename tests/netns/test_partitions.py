@@ -18,8 +18,8 @@ import pytest
 
 from tests.dp.test_clusters import served_per_engine
 from tests.netns.proxy import SlowLink
-from tests.netns.test_serve_hosts import dp_flags, expected, serve_on, texts
-from tests.servers import Server, completion, start_servers
+from tests.netns.test_serve_hosts import expected, texts, two_nodes
+from tests.servers import Server, completion
 
 pytestmark = pytest.mark.slow
 SIMULATED = ("--simulate-step-ms", "20")  # dense cases: the network is under test, not the model
@@ -69,10 +69,8 @@ def lost_ranks(server: Server) -> list[int]:
 
 
 def test_dense_cut_node_is_reported_lost_its_peers_serve_on_and_it_heals(network, tiny_qwen3):
-    a, b = network.hosts[:2]
-    head = serve_on(network, a, tiny_qwen3, *dp_flags(network, 4, 2, 0, 29600), *SIMULATED)
-    worker = serve_on(network, b, tiny_qwen3, *dp_flags(network, 4, 2, 2, 29600), *SIMULATED)
-    start_servers(head, worker)
+    b = network.hosts[1]
+    head, worker = two_nodes(network, tiny_qwen3, 29600, *SIMULATED)
     try:
         streams = [Stream(head.url, tiny_qwen3, 300) for _ in range(2)]  # ~6 s each
         cut_streams = [Stream(worker.url, tiny_qwen3, 300) for _ in range(2)]
@@ -98,10 +96,8 @@ def test_dense_cut_node_is_reported_lost_its_peers_serve_on_and_it_heals(network
 
 
 def test_dense_node_cut_off_from_the_coordinator_keeps_serving(network, tiny_qwen3):
-    a, b = network.hosts[:2]
-    head = serve_on(network, a, tiny_qwen3, *dp_flags(network, 4, 2, 0, 29610), *SIMULATED)
-    worker = serve_on(network, b, tiny_qwen3, *dp_flags(network, 4, 2, 2, 29610), *SIMULATED)
-    start_servers(head, worker)
+    a = network.hosts[0]
+    head, worker = two_nodes(network, tiny_qwen3, 29610, *SIMULATED)
     try:
         network.cut(a)  # the head and its coordinator
         for _ in range(8):  # across the head-silence window (5 s): still served, never refused
@@ -119,13 +115,11 @@ def test_dense_node_cut_off_from_the_coordinator_keeps_serving(network, tiny_qwe
 
 def test_moe_cut_node_fails_every_rank_fast_and_the_group_forms_again(network, checkpoints):
     model = checkpoints("qwen3_moe")
-    a, b = network.hosts[:2]
+    b = network.hosts[1]
     flags = ("--enable-expert-parallel", "--dp-timeout", "8")
 
-    def cluster() -> list[Server]:  # the head reports and waits; the worker exits for its supervisor
-        return start_servers(serve_on(network, a, model, *dp_flags(network, 4, 2, 0, 29620), *flags),
-                             serve_on(network, b, model, *dp_flags(network, 4, 2, 2, 29620), *flags,
-                                      "--restart-policy", "restart"))
+    def cluster() -> tuple[Server, Server]:  # the head reports and waits; the worker exits for its supervisor
+        return two_nodes(network, model, 29620, *flags, worker_flags=("--restart-policy", "restart"))
 
     head, worker = cluster()
     try:
@@ -157,11 +151,9 @@ def test_moe_cut_node_fails_every_rank_fast_and_the_group_forms_again(network, c
 
 def test_moe_node_cut_off_from_the_head_ends_its_streams_with_errors(network, checkpoints):
     model = checkpoints("qwen3_moe")
-    a, b = network.hosts[:2]
+    a = network.hosts[0]
     flags = ("--enable-expert-parallel", "--dp-timeout", "8")
-    head = serve_on(network, a, model, *dp_flags(network, 4, 2, 0, 29630), *flags)
-    worker = serve_on(network, b, model, *dp_flags(network, 4, 2, 2, 29630), *flags)
-    start_servers(head, worker)
+    head, worker = two_nodes(network, model, 29630, *flags)
     try:
         streams = [Stream(worker.url, model, 480) for _ in range(2)]
         time.sleep(1)
@@ -195,10 +187,8 @@ def test_a_slow_lossy_link_to_the_head_keeps_balancing_and_waves_working(network
     rpc = 29640 + 10 * moe
     flags = ("--enable-expert-parallel",) if moe else ()
     link = SlowLink(network.bridge_address, a.address, [rpc + i for i in range(5)], delay_s=0.05, loss=0.05)
-    head = serve_on(network, a, model, *dp_flags(network, 4, 2, 0, rpc), *flags)
-    with network.resolving(b, a.name, network.bridge_address):
-        worker = serve_on(network, b, model, *dp_flags(network, 4, 2, 2, rpc), *flags)
-        start_servers(head, worker)
+    with network.resolving(b, a.name, network.bridge_address):  # only the worker's view changes
+        head, worker = two_nodes(network, model, rpc, *flags)
     try:
         assert _burst(worker.url, model, 40) == [200] * 40
         served = served_per_engine(worker.url)

@@ -31,6 +31,16 @@ def dp_flags(network: HostNetwork, size: int, size_local: int, start_rank: int, 
             "--data-parallel-rpc-port", str(rpc_port)]
 
 
+def two_nodes(network: HostNetwork, model: str, rpc_port: int, *flags: str, worker_flags: tuple[str, ...] = (),
+              layout: str = "") -> tuple[Server, Server]:
+    """Ranks 0-1 on the first host (the head), 2-3 on the second; started and ready (with
+    ``layout``, the time that took is printed)."""
+    head = serve_on(network, network.hosts[0], model, *dp_flags(network, 4, 2, 0, rpc_port), *flags)
+    worker = serve_on(network, network.hosts[1], model, *dp_flags(network, 4, 2, 2, rpc_port), *flags, *worker_flags)
+    ready(layout, head, worker) if layout else start_servers(head, worker)
+    return head, worker
+
+
 def listeners(network: HostNetwork, host: Host) -> set[str]:
     """The addresses TCP sockets listen on in ``host``'s namespace."""
     out = network.run(host, ["ss", "-Hltn"]).stdout
@@ -75,9 +85,7 @@ def stop_all(*servers: Server) -> None:
 
 def test_hybrid_each_host_serves_its_own_ranks(network, tiny_qwen3):
     a, b = network.hosts[:2]
-    head = serve_on(network, a, tiny_qwen3, *dp_flags(network, 4, 2, 0, 29500))
-    worker = serve_on(network, b, tiny_qwen3, *dp_flags(network, 4, 2, 2, 29500))
-    ready("hybrid, 2 hosts x 2 ranks", head, worker)
+    head, worker = two_nodes(network, tiny_qwen3, 29500, layout="hybrid, 2 hosts x 2 ranks")
     try:
         for server, ranks in ((head, [0, 1]), (worker, [2, 3])):
             assert httpx.get(f"{server.url}/ranks", timeout=10).json()["ranks"] == ranks
@@ -122,9 +130,8 @@ def test_moe_expert_parallel_group_forms_across_hosts(network, checkpoints):
     """The hosts' names resolve to 127.0.1.1 locally: the group must use the routed address."""
     model = checkpoints("qwen3_moe")
     a, b = network.hosts[:2]
-    head = serve_on(network, a, model, *dp_flags(network, 4, 2, 0, 29520), "--enable-expert-parallel")
-    worker = serve_on(network, b, model, *dp_flags(network, 4, 2, 2, 29520), "--enable-expert-parallel")
-    ready("MoE expert parallel, 2 hosts x 2 ranks", head, worker)
+    head, worker = two_nodes(network, model, 29520, "--enable-expert-parallel",
+                             layout="MoE expert parallel, 2 hosts x 2 ranks")
     try:
         assert texts(head.url, model) == texts(worker.url, model) == expected(model)
         assert_binds_only_own_address(network, a, b)
@@ -136,9 +143,8 @@ def test_moe_expert_parallel_group_forms_across_hosts(network, checkpoints):
 def test_cluster_token_secures_the_links_and_refuses_a_stranger(network, tiny_qwen3):
     a, b, c = network.hosts
     token = ("--cluster-token", "netns-secret-token-0123456789")
-    head = serve_on(network, a, tiny_qwen3, *dp_flags(network, 4, 2, 0, 29530), *token)
-    worker = serve_on(network, b, tiny_qwen3, *dp_flags(network, 4, 2, 2, 29530), *token)
-    ready("hybrid with a cluster token (CURVE), 2 hosts x 2 ranks", head, worker)
+    head, worker = two_nodes(network, tiny_qwen3, 29530, *token,
+                             layout="hybrid with a cluster token (CURVE), 2 hosts x 2 ranks")
     stranger = serve_on(network, c, tiny_qwen3, *dp_flags(network, 4, 2, 2, 29530),
                         "--cluster-token", "another-token-9876543210abcdef")
     try:
