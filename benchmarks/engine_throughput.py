@@ -11,6 +11,8 @@ Runs in one process, one after the other, on the same cores, so ratios are side 
 * fixed batches of 1 / 8 / 32 requests, 128 prompt + 128 output tokens each.
 * the fraction of a decode step's wall time spent outside torch ops (torch profiler).
 
+Each workload runs ``--rounds`` times (default 3), hybridlb and transformers alternating
+which goes first; the medians are reported, with each round's ratio (the spread).
 Prints a table and writes JSON. ``--quick`` shrinks everything for a smoke run.
 """
 
@@ -20,7 +22,9 @@ import argparse
 import json
 import os
 import random
+import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -84,6 +88,13 @@ def outside_torch_fraction(llm: LLM, batch: int, vocab: int, steps: int) -> floa
     return max(0.0, 1 - inside / wall)
 
 
+def alternating(rounds: int, sides: dict[str, Callable[[], float]]) -> list[dict[str, float]]:
+    """Each side's output tok/s in every round; the order flips each round, so slow minutes of
+    a shared machine fall on both sides."""
+    names = list(sides)
+    return [{name: sides[name]() for name in (names if r % 2 == 0 else names[::-1])} for r in range(rounds)]
+
+
 def bench_model(arch: str, path: str, hf_path: str, args) -> dict:
     from transformers import AutoModelForCausalLM
 
@@ -93,23 +104,33 @@ def bench_model(arch: str, path: str, hf_path: str, args) -> dict:
     vocab = llm.engine.vocab_size
     llm.generate([[5] * 32], SamplingParams(max_tokens=4))  # warm-up
     run_hf(hf, [([5] * 32, 4)], 1)
-    result: dict = {"arch": arch, "mixed": {}, "fixed": {}}
+    result: dict = {"arch": arch, "rounds": args.rounds, "mixed": {}, "fixed": {}}
 
     work = mixed_workload(args.requests, 0, vocab)
     tokens = sum(out for _, out in work)
-    mixed = {"requests": len(work), "output_tokens": tokens, "hybridlb_tok_s": tokens / run_ours(llm, work)}
-    for size in args.hf_batch_sizes:
-        mixed[f"transformers_b{size}_tok_s"] = tokens / run_hf(hf, work, size)
+    sides = {"hybridlb_tok_s": lambda: tokens / run_ours(llm, work)}
+    sides.update({f"transformers_b{size}_tok_s": lambda size=size: tokens / run_hf(hf, work, size)
+                  for size in args.hf_batch_sizes})
+    rounds = alternating(args.rounds, sides)
+    mixed = {"requests": len(work), "output_tokens": tokens,
+             **{name: statistics.median(r[name] for r in rounds) for name in sides}}
     best = max(v for k, v in mixed.items() if k.startswith("transformers"))
     mixed["ratio_vs_best_transformers"] = mixed["hybridlb_tok_s"] / best
+    mixed["ratios"] = [r["hybridlb_tok_s"] / max(v for k, v in r.items() if k.startswith("transformers"))
+                       for r in rounds]
     result["mixed"] = mixed
 
     rng = random.Random(2)
     for batch in args.batches:
         fixed = [([rng.randrange(3, vocab) for _ in range(128)], args.fixed_output) for _ in range(batch)]
-        tokens = batch * args.fixed_output
-        ours, theirs = tokens / run_ours(llm, fixed), tokens / run_hf(hf, fixed, batch)
-        result["fixed"][batch] = {"hybridlb_tok_s": ours, "transformers_tok_s": theirs, "ratio": ours / theirs}
+        tokens_fixed = batch * args.fixed_output
+        rounds = alternating(args.rounds, {
+            "hybridlb_tok_s": lambda fixed=fixed, n=tokens_fixed: n / run_ours(llm, fixed),
+            "transformers_tok_s": lambda fixed=fixed, n=tokens_fixed, b=batch: n / run_hf(hf, fixed, b)})
+        ours = statistics.median(r["hybridlb_tok_s"] for r in rounds)
+        theirs = statistics.median(r["transformers_tok_s"] for r in rounds)
+        result["fixed"][batch] = {"hybridlb_tok_s": ours, "transformers_tok_s": theirs, "ratio": ours / theirs,
+                                  "ratios": [r["hybridlb_tok_s"] / r["transformers_tok_s"] for r in rounds]}
     result["outside_torch_fraction"] = {
         batch: outside_torch_fraction(llm, batch, vocab, args.profile_steps) for batch in (1, 8, 32)
     }
@@ -140,11 +161,12 @@ def main() -> None:
     parser.add_argument("--models", default="smollm2,dense,moe", help="comma list of smollm2, dense, moe")
     parser.add_argument("--requests", type=int, default=64, help="requests in the mixed workload")
     parser.add_argument("--dtype", default="float32", help="hybridlb's dtype (transformers runs float32)")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds; medians are reported")
     args = parser.parse_args()
     args.batches, args.fixed_output, args.profile_steps = (1, 8, 32), 128, 20
     args.hf_batch_sizes = (1, 16)
     if args.quick:
-        args.requests, args.batches, args.fixed_output, args.profile_steps = 8, (1, 8), 16, 5
+        args.requests, args.batches, args.fixed_output, args.profile_steps, args.rounds = 8, (1, 8), 16, 5, 2
     torch.set_num_threads(os.cpu_count() or 1)
     results = []
     for kind in args.models.split(","):
@@ -154,7 +176,7 @@ def main() -> None:
             path = hf_path = checkpoint(args.models_dir, ARCHES[kind], "small")
         results.append(bench_model(ARCHES[kind], path, hf_path, args))
     print_table(results)
-    meta = stamp(threads=torch.get_num_threads(), quick=args.quick, dtype=args.dtype)
+    meta = stamp(threads=torch.get_num_threads(), quick=args.quick, dtype=args.dtype, rounds=args.rounds)
     previous = previous_results(args.out)
     fresh = {r["arch"] for r in results}
     kept = [{"meta": previous.get("meta"), **r} for r in previous.get("results", []) if r["arch"] not in fresh]

@@ -5,8 +5,9 @@
    the per-step metadata exchange synchronous, then overlapped (async). Reported: mean
    step time per engine (real and dummy steps), the share of it spent blocked on the
    metadata exchange and the share in the MoE layers' collectives (both of the same busy
-   time, dummy steps included), TPOT and output throughput. Goal: coordination
-   (the metadata exchange) adds <= 5% to step time with async on.
+   time, dummy steps included), TPOT and output throughput: medians over ``--rounds``
+   (default 3) alternating rounds, with each round's TPOT. Goal: coordination (the
+   metadata exchange) adds <= 5% to step time with async on.
 2. Skewed load (75% and 95% of the requests pinned to rank 0, 4 at a time): the
    fraction of each rank's steps that were dummy steps.
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import time
 from pathlib import Path
 
@@ -70,6 +72,16 @@ def run_setup(name: str, model: str, vocab: int, flags: list[str]) -> dict:
     return row
 
 
+MEDIANS = ("step_ms", "meta_share", "collective_share", "tpot_ms", "output_tok_s")
+
+
+def median_row(name: str, runs: list[dict]) -> dict:
+    """One setup over its rounds: the median of each figure, each round's TPOT (the spread)."""
+    return {"setup": name, **{key: statistics.median(r[key] for r in runs) for key in MEDIANS},
+            "failed": sum(r["failed"] for r in runs), "tpot_ms_rounds": [r["tpot_ms"] for r in runs],
+            "ranks": runs[-1]["ranks"]}
+
+
 def skewed(model: str, vocab: int, share: float) -> dict:
     server = Server.hybridlb("skew", model, "-dp", "2", "--enable-expert-parallel", "--torch-threads", "1",
                              "--data-parallel-rpc-port", str(free_port()))
@@ -110,21 +122,26 @@ def main() -> None:
     parser.add_argument("--size", default="small", choices=["tiny", "small"])
     parser.add_argument("--models-dir", type=Path, default=Path("models"))
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/moe_waves.json"))
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of the three setups (medians)")
     args = parser.parse_args()
     model = checkpoint(args.models_dir, "qwen3_moe", args.size)
     vocab = Tokenizer(model).vocab_size
     print(f"\n{args.size} qwen3_moe, {PROMPTS} prompts, {INPUT} in / {OUTPUT} out, concurrency {CONCURRENCY}")
-    rows = [
-        run_setup("one rank, all experts", model, vocab, []),
-        run_setup("EP DP=2, sync metadata", model, vocab, ["-dp", "2", "--enable-expert-parallel",
-                                                          "--no-async-dp-coordination",
-                                                          "--data-parallel-rpc-port", str(free_port())]),
-        run_setup("EP DP=2, async metadata", model, vocab, ["-dp", "2", "--enable-expert-parallel",
-                                                           "--data-parallel-rpc-port", str(free_port())]),
-    ]
+    setups = {"one rank, all experts": [],
+              "EP DP=2, sync metadata": ["-dp", "2", "--enable-expert-parallel", "--no-async-dp-coordination"],
+              "EP DP=2, async metadata": ["-dp", "2", "--enable-expert-parallel"]}
+    names = list(setups)
+    rounds = []
+    for round_ in range(args.rounds):  # the order flips each round, so machine noise falls on every setup
+        print(f" round {round_ + 1} of {args.rounds}")
+        rounds.append({name: run_setup(name, model, vocab, [*setups[name], "--data-parallel-rpc-port",
+                                                            str(free_port())])
+                       for name in (names if round_ % 2 == 0 else names[::-1])})
+    rows = [median_row(name, [r[name] for r in rounds]) for name in names]
     skew = [skewed(model, vocab, share) for share in (0.75, 0.95)]
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"meta": stamp(), "size": args.size, "setups": rows, "skew": skew}, indent=2))
+    args.out.write_text(json.dumps({"meta": stamp(rounds=args.rounds), "size": args.size, "setups": rows,
+                                    "skew": skew}, indent=2))
     print(f"wrote {args.out}")
 
 

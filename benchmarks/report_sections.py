@@ -93,6 +93,14 @@ def engine_throughput(page: Page, data: dict) -> str:
                  for b, f in r["fixed"].items()]
         outside.append([r["arch"], *(f"{v:.0%}" for v in r["outside_torch_fraction"].values())])
     page.table(["model", "workload", "hybridlb tok/s", "transformers tok/s", "ratio"], rows)
+    spread = [[r["arch"], label, cell(ratios), f"{min(ratios):.2f}x", f"{max(ratios):.2f}x"]
+              for r in data["results"] for label, ratios in
+              [("mixed (vs best)", r["mixed"].get("ratios", []))]
+              + [(f"fixed batch {b}", f.get("ratios", [])) for b, f in r["fixed"].items()] if ratios]
+    if spread:
+        page.text(f"hybridlb / transformers in each of the {data['results'][0].get('rounds', '?')} alternating rounds "
+                  "(the medians above are over these):")
+        page.table(["model", "workload", "per round", "min", "max"], spread)
     page.text("Share of a decode step's wall time spent outside torch ops (torch profiler):")
     page.table(["model", *(f"batch {b}" for b in data["results"][0]["outside_torch_fraction"])], outside)
 
@@ -160,6 +168,9 @@ def moe_waves(page: Page, data: dict) -> str:
     page.table(["setup", "step ms", "metadata share", "MoE collectives share", "TPOT ms", "output tok/s", "failed"],
                [[s["setup"], s["step_ms"], f"{s['meta_share']:.1%}", f"{s['collective_share']:.1%}", s["tpot_ms"],
                  s["output_tok_s"], s["failed"]] for s in setups])
+    if all("tpot_ms_rounds" in s for s in setups):
+        page.text(f"Medians over {len(setups[0]['tpot_ms_rounds'])} alternating rounds; TPOT ms in each round: "
+                  + "; ".join(f"{s['setup']} {cell(s['tpot_ms_rounds'])}" for s in setups) + ".")
     skew = data["skew"]
     ranks = sorted({r for s in skew for r in s["dummy_fraction"]})
     label = [f"{s['share_rank0']:.0%} on rank 0" for s in skew]

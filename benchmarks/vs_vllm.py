@@ -151,10 +151,11 @@ def main() -> None:
               + ", ".join(f"{k} {v:.2f}x" for k, v in result["ratios"].items()), flush=True)
     print("\n`vllm bench serve` against hybridlb:\n" + report.get("vllm_bench_serve_against_hybridlb", ""))
     previous = previous_results(args.out)  # keep the rows of models not re-run (with their stamp)
+    run_now = list(report["ratios"])  # only these get this run's stamp
     for section in ("results", "ratios", "raw"):
         for title, rows in previous.get(section, {}).items():
             report.setdefault(section, {}).setdefault(title, rows)
-    report["stamps"] = {**previous.get("stamps", {}), **dict.fromkeys(report["ratios"], report["meta"])}
+    report["stamps"] = {**previous.get("stamps", {}), **dict.fromkeys(run_now, report["meta"])}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out}")
