@@ -11,7 +11,9 @@ engines that are, and takes ``pool // stepping`` threads (never fewer than its o
 Why per step and not finer: torch's thread count can change between ops, but a step is
 the unit the scheduler plans, and it is short (tens of ms on CPU). When a sibling wakes,
 the node is oversubscribed until the engine that borrowed its cores finishes the step it
-is in; measured in ``benchmarks/vs_vllm.py --dp 2``.
+is in. Measured on 2 cores, SmolLM2 bfloat16, DP=2, one request at a time: 28-30 output
+tok/s with each engine on its own core, 39 with sharing (DP=1's figure); at concurrency 2
+and 16 the same as without.
 """
 
 from __future__ import annotations
@@ -76,7 +78,7 @@ class CoreShare:
 
 def shared_cores(directory: str, name: str, slot: int, slots: int, pool: int) -> SharedCores | None:
     """The spec for engine ``slot`` of ``slots`` on one node, or None where there is nothing to
-    share (one engine, or no more cores than engines)."""
+    share (one engine, or one core)."""
     if slots < 2 or pool < 2:
         return None
     return SharedCores(os.path.join(directory, name), slot, slots, pool)
