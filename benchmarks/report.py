@@ -166,7 +166,9 @@ def add_section(page: Page, name: str, path: Path | None, data_dir: Path, dates:
         shutil.copy2(path, data_dir / path.name)
         dates[name] = produced(path, data)
     when = dates.setdefault(name, produced(path, data))
-    page.text(f"Command: `{command_of(name, data)}` (run {when}; data: "
+    meta = data.get("meta") if isinstance(data.get("meta"), dict) else {}
+    where = f" on {meta['cpu']}" if meta.get("cpu") else ""  # sections may come from different machines
+    page.text(f"Command: `{command_of(name, data)}` (run {when}{where}; data: "
               f"[`report/data/{name}.json`](report/data/{name}.json))")
     stale = staleness(name, data)
     if stale:
