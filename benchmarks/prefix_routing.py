@@ -5,9 +5,11 @@ streaming, ``ignore_eos``):
 
 * ``system``: many users sharing 8 system prompts of ~1,000 tokens; each request is one
   system prompt (shuffled order) plus 32 tokens of its own, 64 tokens out.
-* ``multiturn``: 16 chats of 4 turns. Each turn resends the whole history (a 256-token
-  opening, then per turn 64 assistant tokens and 96 new user tokens) and waits for the
-  previous answer. The history's assistant turns are fixed tokens, not the model's own
+* ``multiturn``: 32 chats of 4 turns, 16 requests in flight. Each turn resends the whole
+  history (a 256-token opening, then per turn 64 assistant tokens and 96 new user tokens)
+  and waits for the previous answer, then for a free slot: chats outnumber slots, so
+  their turns interleave as many users' do (with one chat per slot, a chat's next turn
+  would always take the slot its last turn just freed, on the rank holding its history). The history's assistant turns are fixed tokens, not the model's own
   answers, so the engines' cached output blocks do not match and only prompt blocks are
   reused: the hit rate is a lower bound on a real chat's.
 
@@ -18,12 +20,15 @@ tokens in every round, so no server starts a run with anything cached from an ea
 Rounds alternate the servers' order; figures are medians over rounds.
 
 ``--kv-cache-gib`` sets each hybridlb engine's KV cache (default 1 GiB, as vLLM's
-``VLLM_CPU_KVCACHE_SPACE=1``). At 1 GiB every rank holds all 8 system prompts next to
-its running requests, so ``least_loaded`` misses little; at 0.3 GiB a rank holds about
-half of them, the regime where it matters which rank a prompt goes to (vLLM's space is
-whole GiB, so it sits that setting out). Each setting keeps its own rows in the JSON.
+``VLLM_CPU_KVCACHE_SPACE=1``). SmolLM2 keeps 22.5 KiB of KV per token. At 1 GiB
+(~46,000 tokens) every rank holds all 8 system prompts next to its running requests, so
+``least_loaded`` misses little. At 0.15 GiB (~7,000 tokens) a rank holds about 6 of them
+next to its running requests and the two ranks together hold all 8: the regime where it
+matters which rank a prompt goes to (a cache smaller than the prompts in use, as with
+many prompts or a bigger model). vLLM's space is whole GiB, so it sits that setting out.
+Each setting keeps its own rows in the JSON.
 
-    python benchmarks/prefix_routing.py [--rounds 3] [--no-vllm] [--kv-cache-gib 0.3]
+    python benchmarks/prefix_routing.py [--rounds 3] [--no-vllm] [--kv-cache-gib 0.15]
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ HYBRIDLB = {
 }
 COMMON = ("--dtype", "bfloat16", "--max-model-len", "2048", "--data-parallel-size", "2")
 SYSTEM_PROMPTS, SYSTEM_LEN, USER_LEN, SYSTEM_REQUESTS = 8, 1000, 32, 96
-CHATS, TURNS, OPENING_LEN, TURN_USER_LEN, TURN_ANSWER_LEN = 16, 4, 256, 96, 64
+CHATS, TURNS, OPENING_LEN, TURN_USER_LEN, TURN_ANSWER_LEN = 32, 4, 256, 96, 64
 OUTPUT_LEN, CONCURRENCY = 64, 16
 
 

@@ -7,7 +7,10 @@ def prefix_routing(page, data: dict) -> str:
     def vs(row: dict, ref: dict | None, key: str) -> str:
         return f"{row[key] / ref[key]:.2f}x" if ref else "-"
 
-    for setting, run in data["settings"].items():
+    current = data["meta"].get("script_sha")
+    settings = {name: run for name, run in data["settings"].items() if run["meta"].get("script_sha") == current}
+    older = [name for name in data["settings"] if name not in settings]
+    for setting, run in settings.items():
         table, meta = run["results"], run["meta"]
         base = table.get("hybridlb:least_loaded", {})
         page.text(f"**{setting}** (`{meta['command']}`, commit {meta['commit']}; medians of {meta['rounds']} "
@@ -23,10 +26,22 @@ def prefix_routing(page, data: dict) -> str:
                        [[name, w, ", ".join(f"{r['output_tok_s']:.0f}" for r in rows),
                          min(r["output_tok_s"] for r in rows), max(r["output_tok_s"] for r in rows)]
                         for name, workloads in run["raw"].items() for w, rows in workloads.items() if rows])
-    table = next(iter(data["settings"].values()))["results"]
-    aware, base, vllm = (table.get(k, {}).get("system") for k in ("hybridlb:cache_aware", "hybridlb:least_loaded",
-                                                                  "vllm"))
-    if not (aware and base):
+    if older:
+        page.text("Not shown: settings measured by an older `prefix_routing.py` (rerun with their `--kv-cache-gib` "
+                  "to bring them back): " + "; ".join(f"{name} (commit {data['settings'][name]['meta']['commit']})"
+                                                      for name in older) + ".")
+    return "; ".join(filter(None, (headline(name.removesuffix(" per engine"), run["results"])
+                                   for name, run in settings.items())))
+
+
+def headline(setting: str, table: dict) -> str:
+    """cache_aware against least_loaded (and vLLM, where it ran) in one setting, tok/s."""
+    aware, base, vllm = (table.get(k, {}) for k in ("hybridlb:cache_aware", "hybridlb:least_loaded", "vllm"))
+    ratios = [f"{workload} {aware[workload]['output_tok_s'] / base[workload]['output_tok_s']:.2f}x"
+              for workload in ("system", "multiturn") if workload in aware and workload in base]
+    if not ratios:
         return ""
-    return (f"shared system prompts: cache_aware {aware['output_tok_s'] / base['output_tok_s']:.2f}x least_loaded's "
-            "tok/s" + (f", {aware['output_tok_s'] / vllm['output_tok_s']:.2f}x vLLM's" if vllm else ""))
+    text = f"{setting}: cache_aware / least_loaded tok/s {', '.join(ratios)}"
+    if "system" in aware and "system" in vllm:
+        text += f"; system {aware['system']['output_tok_s'] / vllm['system']['output_tok_s']:.2f}x vLLM"
+    return text

@@ -150,17 +150,21 @@ async def run_benchmark(args: BenchArgs, prompts: list, urls: list[str] | None =
 async def run_sessions(args: BenchArgs, sessions: list[list], url: str | None = None,
                        max_tokens: int | None = None) -> tuple[list[RequestResult], float]:
     """Multi-turn: each session sends its prompts in order, the next once the previous
-    finished; up to ``max_concurrency`` sessions at once."""
+    finished; up to ``max_concurrency`` requests at once. A turn takes a slot only while
+    it runs, so with more sessions than slots their turns interleave as many users' do
+    (each waits for a slot like a user thinking), instead of each chat owning a slot."""
     url = url or args.base_url
     limit = args.max_concurrency or len(sessions)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
     semaphore = asyncio.Semaphore(limit)
 
-    async def session(prompts: list) -> list[RequestResult]:
+    async def turn(prompt) -> RequestResult:
         async with semaphore:
-            return [await _one(client, args, prompt, start, url, max_tokens or args.random_output_len)
-                    for prompt in prompts]
+            return await _one(client, args, prompt, start, url, max_tokens or args.random_output_len)
+
+    async def session(prompts: list) -> list[RequestResult]:
+        return [await turn(prompt) for prompt in prompts]
 
     async with httpx.AsyncClient(headers=headers, limits=limits, timeout=httpx.Timeout(None, connect=30)) as client:
         start = time.perf_counter()
