@@ -95,6 +95,18 @@ def test_dense_cut_node_is_reported_lost_its_peers_serve_on_and_it_heals(network
             server.stop()
 
 
+def streams_across_cut(network, host, url: str, model: str) -> tuple[list[Stream], float]:
+    """Two long streams from ``url``, then ``host``'s link cut mid-stream: the streams once
+    ended (or after 30 s), and when the cut was (``time.monotonic``)."""
+    streams = [Stream(url, model, 480) for _ in range(2)]
+    time.sleep(1)
+    cut = time.monotonic()
+    network.cut(host)
+    for stream in streams:
+        stream.join(30)
+    return streams, cut
+
+
 def test_dense_node_cut_off_from_the_coordinator_keeps_serving(network, tiny_qwen3):
     a = network.hosts[0]
     head, worker = two_nodes(network, tiny_qwen3, 29610, *SIMULATED)
@@ -123,12 +135,8 @@ def test_moe_cut_node_fails_every_rank_fast_and_the_group_forms_again(network, c
 
     head, worker = cluster()
     try:
-        streams = [Stream(head.url, model, 480) for _ in range(2)]
-        time.sleep(1)
-        cut = time.monotonic()
-        network.cut(b)
+        streams, cut = streams_across_cut(network, b, head.url, model)
         for stream in streams:  # errors, not hangs: within the collective timeout and a margin
-            stream.join(30)
             assert stream.error is not None and '"error"' in stream.error, stream.error
             assert stream.done_after < 8 + 10
         failed_s = time.monotonic() - cut
@@ -155,12 +163,8 @@ def test_moe_node_cut_off_from_the_head_ends_its_streams_with_errors(network, ch
     flags = ("--enable-expert-parallel", "--dp-timeout", "8")
     head, worker = two_nodes(network, model, 29630, *flags)
     try:
-        streams = [Stream(worker.url, model, 480) for _ in range(2)]
-        time.sleep(1)
-        cut = time.monotonic()
-        network.cut(a)
+        streams, cut = streams_across_cut(network, a, worker.url, model)
         for stream in streams:  # the worker stops (it cannot step without the head): no cut connections
-            stream.join(30)
             assert stream.error is not None and "shutting down" in stream.error, stream.error
         print(f"\nMoE, head cut off: the worker's streams ended with an error {time.monotonic() - cut:.1f} s later")
         assert worker.process.wait(30) == 1
