@@ -383,11 +383,21 @@ def generic(page: Page, data) -> str:
     return ""
 
 
+def chat_ttft(page: Page, data: dict) -> str:
+    r = data["result"]
+    page.table(["mean TTFT as measured by", "ms", "requests"],
+               [["`vllm bench serve --backend openai-chat` (client)", r["client_mean_ttft_ms"], r["requests_client"]],
+                ["hybridlb's own histogram (server)", r["server_mean_ttft_ms"], int(r["requests_server"])]])
+    page.text(f"Client / server **{r['ratio']:.3f}** (goal: within 1.10); client median TTFT "
+              f"{r['client_median_ttft_ms']:.0f} ms, {r['output_tok_s']:.0f} output tok/s.")
+    return f"client/server mean TTFT {r['ratio']:.2f} (goal <= 1.10)"
+
+
 from report_routing import prefix_routing  # noqa: E402 - they render with this module's Page
 from report_vs_vllm import vs_vllm  # noqa: E402
 
 SECTIONS: dict[str, Callable[[Page, dict], str]] = {
     "engine_throughput": engine_throughput, "api_overhead": api_overhead, "vs_vllm": vs_vllm,
     "dp_overhead": dp_overhead, "moe_waves": moe_waves, "up_time": up_time, "load": load, "soak": soak,
-    "control_plane": control_plane, "prefix_routing": prefix_routing,
+    "control_plane": control_plane, "prefix_routing": prefix_routing, "chat_ttft": chat_ttft,
 }
