@@ -96,15 +96,20 @@ def read_dates(path: Path) -> dict[str, str]:
     return dict(line.split("\t", 1) for line in lines if "\t" in line)
 
 
+def meta_of(data: dict) -> dict:
+    """A results JSON's stamp (``common.stamp``); empty for data written before stamps."""
+    return data["meta"] if isinstance(data.get("meta"), dict) else {}
+
+
 def produced(path: Path, data: dict) -> str:
-    meta = data.get("meta") if isinstance(data.get("meta"), dict) else {}
+    meta = meta_of(data)
     if meta.get("date"):
         return str(meta["date"]).replace("T", " ")[:16]
     return datetime.fromtimestamp(path.stat().st_mtime).strftime("%Y-%m-%d %H:%M")
 
 
 def command_of(name: str, data: dict) -> str:
-    meta = data.get("meta") if isinstance(data.get("meta"), dict) else {}
+    meta = meta_of(data)
     if meta.get("command"):
         return str(meta["command"])
     command = BENCHMARKS.get(name, ("", f"python benchmarks/{name}.py", ""))[1]
@@ -113,7 +118,7 @@ def command_of(name: str, data: dict) -> str:
 
 def staleness(name: str, data: dict) -> str | None:
     """Why ``data`` no longer describes what its script measures today, or None when current."""
-    meta = data.get("meta") if isinstance(data.get("meta"), dict) else {}
+    meta = meta_of(data)
     script = HERE / (meta.get("script") or command_of(name, {}).split()[1].removeprefix("benchmarks/"))
     if not script.is_file():
         return None  # not one of ours (a JSON of another tool)
@@ -166,7 +171,7 @@ def add_section(page: Page, name: str, path: Path | None, data_dir: Path, dates:
         shutil.copy2(path, data_dir / path.name)
         dates[name] = produced(path, data)
     when = dates.setdefault(name, produced(path, data))
-    meta = data.get("meta") if isinstance(data.get("meta"), dict) else {}
+    meta = meta_of(data)
     where = f" on {meta['cpu']}" if meta.get("cpu") else ""  # sections may come from different machines
     page.text(f"Command: `{command_of(name, data)}` (run {when}{where}; data: "
               f"[`report/data/{name}.json`](report/data/{name}.json))")
