@@ -24,6 +24,7 @@ from hybridlb.cli_common import (
     DpStartRank,
     Headless,
     LbMode,
+    build_config,
     json_flag,
     parallel_overrides,
     plan_of,
@@ -31,38 +32,14 @@ from hybridlb.cli_common import (
     simulate_flags,
 )
 from hybridlb.cli_common import fail as _fail
-from hybridlb.config import Config, ConfigError, EngineConfig, load_config, parse_config
+from hybridlb.config import Config, EngineConfig
+from hybridlb.launch.k8s_cli import render_app
 
 MODEL_HELP = "Checkpoint: a Hugging Face directory, a .gguf file, or package:DIST/PATH."
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, pretty_exceptions_enable=False)
 app.add_typer(bench_app, name="bench")
-render_app = typer.Typer(no_args_is_help=True, help="Render the cluster for other platforms.")
 app.add_typer(render_app, name="render")
-
-
-def build_config(config: Path | None, model: str | None, overrides: dict[str, dict]) -> Config:
-    """A Config from an optional YAML file, with ``--model`` and other flags on top.
-
-    ``overrides`` maps a section name to the flag values for it; None means not given.
-    """
-    try:
-        data = load_config(config).model_dump(exclude_unset=True) if config else {}
-    except ConfigError as exc:
-        _fail(str(exc))
-    sections = {name: dict(data.get(name, {})) for name in overrides}
-    sections.setdefault("engine", dict(data.get("engine", {})))
-    if model is not None:
-        sections["engine"]["model"] = model
-        sections["engine"].pop("make_if_missing", None)
-    for name, values in overrides.items():
-        sections[name].update({k: v for k, v in values.items() if v is not None})
-    if "model" not in sections["engine"]:
-        _fail("no model given: pass --model DIR|FILE.gguf or --config FILE.yaml (try configs/local.yaml)")
-    try:
-        return parse_config({**data, **sections}, str(config or "flags"))
-    except ConfigError as exc:
-        _fail(str(exc))
 
 
 def ensure_checkpoint(engine: EngineConfig) -> None:
@@ -360,42 +337,6 @@ def down(
 
     if ray_down(name, address, namespace):
         _fail(f"no cluster named {name!r} in namespace {namespace!r}")
-
-
-@render_app.command("k8s")
-def render_k8s(
-    config: Annotated[Path, typer.Argument(help="YAML config: the whole cluster (data_parallel.nodes), or one "
-                                                 "node of it (size and size_local), repeated.")],
-    image: Annotated[str | None, typer.Option(
-        help="Container image with hybridlb (default hybridlb:cpu or hybridlb:cuda, as the Dockerfile builds them).")] = None,
-    model_pvc: Annotated[str | None, typer.Option(
-        help="PersistentVolumeClaim holding the model, mounted where engine.model points.")] = None,
-    model_host_path: Annotated[str | None, typer.Option(
-        help="Directory on every node holding the model, mounted where engine.model points.")] = None,
-    memory_gib: Annotated[float | None, typer.Option(
-        help="Memory per pod (default: estimated from the model, which must be readable here).")] = None,
-    shm_gib: Annotated[float, typer.Option(help="Size of each pod's memory-backed /dev/shm.")] = 1.0,
-    out: Annotated[Path | None, typer.Option(help="Write here instead of stdout.")] = None,
-):
-    """A LeaderWorkerSet manifest: one pod per node running `hybridlb serve`, a Service per node.
-    Without --model-pvc / --model-host-path the model must be inside the image."""
-    from hybridlb.launch.k8s import PodOptions, RenderError, render, whole_cluster
-    from hybridlb.model.spec import CheckpointError
-
-    try:
-        cfg = whole_cluster(build_config(config, None, {}))
-        plan, _ = plan_of(cfg)
-        options = PodOptions(image, model_pvc, model_host_path, memory_gib, shm_gib)
-        manifest = render(cfg, plan, options)
-    except RenderError as exc:
-        _fail(str(exc))
-    except CheckpointError as exc:
-        _fail(f"cannot size the pods' memory from the model ({exc}); pass --memory-gib")
-    if out is None:
-        typer.echo(manifest, nl=False)
-    else:
-        out.write_text(manifest)
-        typer.echo(f"wrote {out}")
 
 
 def main() -> None:

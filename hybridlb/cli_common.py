@@ -1,5 +1,5 @@
 """What the CLI modules share: the ``--data-parallel-*`` flag declarations, their mapping onto
-config overrides, and the error exit."""
+config overrides, the error exit, and the Config built from ``--config`` plus flags."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from hybridlb.config import Config
 
 
@@ -97,3 +99,29 @@ def plan_of(cfg: Config):
     start = cfg.data_parallel.rank if cfg.data_parallel.rank is not None else cfg.data_parallel.start_rank
     node = next((n for n in plan.nodes if n.start_rank == start), plan.nodes[0])
     return plan, node
+
+
+def build_config(config: Path | None, model: str | None, overrides: dict[str, dict]) -> Config:
+    """A Config from an optional YAML file, with ``--model`` and other flags on top.
+
+    ``overrides`` maps a section name to the flag values for it; None means not given.
+    """
+    from hybridlb.config import ConfigError, load_config, parse_config
+
+    try:
+        data = load_config(config).model_dump(exclude_unset=True) if config else {}
+    except ConfigError as exc:
+        fail(str(exc))
+    sections = {name: dict(data.get(name, {})) for name in overrides}
+    sections.setdefault("engine", dict(data.get("engine", {})))
+    if model is not None:
+        sections["engine"]["model"] = model
+        sections["engine"].pop("make_if_missing", None)
+    for name, values in overrides.items():
+        sections[name].update({k: v for k, v in values.items() if v is not None})
+    if "model" not in sections["engine"]:
+        fail("no model given: pass --model DIR|FILE.gguf or --config FILE.yaml (try configs/local.yaml)")
+    try:
+        return parse_config({**data, **sections}, str(config or "flags"))
+    except ConfigError as exc:
+        fail(str(exc))
