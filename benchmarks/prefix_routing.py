@@ -9,9 +9,10 @@ streaming, ``ignore_eos``):
   history (a 256-token opening, then per turn 64 assistant tokens and 96 new user tokens)
   and waits for the previous answer, then for a free slot: chats outnumber slots, so
   their turns interleave as many users' do (with one chat per slot, a chat's next turn
-  would always take the slot its last turn just freed, on the rank holding its history). The history's assistant turns are fixed tokens, not the model's own
-  answers, so the engines' cached output blocks do not match and only prompt blocks are
-  reused: the hit rate is a lower bound on a real chat's.
+  would always take the slot its last turn just freed, on the rank holding its history).
+  The history's assistant turns are fixed tokens, not the model's own answers, so the
+  engines' cached output blocks do not match and only prompt blocks are reused: the hit
+  rate is a lower bound on a real chat's.
 
 Servers: hybridlb with ``cache_aware``, ``least_loaded`` and ``round_robin`` (prefix caching
 on), hybridlb ``least_loaded`` with prefix caching off, and vLLM DP=2 ``--data-parallel-
@@ -29,6 +30,9 @@ many prompts or a bigger model). vLLM's space is whole GiB, so it sits that sett
 Each setting keeps its own rows in the JSON.
 
     python benchmarks/prefix_routing.py [--rounds 3] [--no-vllm] [--kv-cache-gib 0.15]
+        [--configs cache_aware,least_loaded] [--workloads system] [--out FILE]
+
+``--configs`` / ``--workloads`` pick a subset (for a quick look; the report wants them all).
 """
 
 from __future__ import annotations
@@ -121,9 +125,12 @@ def warm_up(server: Server, vocab: int) -> None:
     asyncio.run(run_benchmark(args, [[rng.randrange(vocab) for _ in range(64)] for _ in range(8)]))
 
 
-def measure(server: Server, vocab: int, round_seed: int) -> dict:
+WORKLOADS = ("system", "multiturn")
+
+
+def measure(server: Server, vocab: int, round_seed: int, workloads=WORKLOADS) -> dict:
     rows = {}
-    for workload in ("system", "multiturn"):
+    for workload in workloads:
         rng = random.Random(f"{workload}-{round_seed}")
         prompts = system_workload(rng, vocab) if workload == "system" else multiturn_workload(rng, vocab)
         wait_quiet([server.process.pid])
@@ -142,6 +149,7 @@ def main() -> None:
     parser.add_argument("--no-vllm", action="store_true", help="hybridlb's configurations only")
     parser.add_argument("--kv-cache-gib", type=float, default=1.0, help="each hybridlb engine's KV cache")
     parser.add_argument("--configs", default=",".join(HYBRIDLB), help="hybridlb configurations to run")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="workloads to run")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/prefix_routing.json"))
     args = parser.parse_args()
     model = smollm2_hf_dir(args.models_dir)
@@ -154,7 +162,10 @@ def main() -> None:
                                   "--data-parallel-hybrid-lb")
         print(f"vllm ready in {vllm_server.wait_ready():.0f} s", flush=True)
         warm_up(vllm_server, vocab)
-    raw: dict[str, dict[str, list[dict]]] = {name: {"system": [], "multiturn": []} for name in names}
+    workloads = args.workloads.split(",")
+    if unknown := set(workloads) - set(WORKLOADS):
+        parser.error(f"unknown workloads {sorted(unknown)}; choose from {', '.join(WORKLOADS)}")
+    raw: dict[str, dict[str, list[dict]]] = {name: {workload: [] for workload in workloads} for name in names}
     try:
         for round_index in range(args.rounds):
             print(f"round {round_index + 1}", flush=True)
@@ -167,7 +178,7 @@ def main() -> None:
                     server.wait_ready()
                     warm_up(server, vocab)
                 try:
-                    for workload, row in measure(server, vocab, round_index).items():
+                    for workload, row in measure(server, vocab, round_index, workloads).items():
                         raw[name][workload].append(row)
                 finally:
                     if server is not vllm_server:

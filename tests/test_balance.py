@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hybridlb.api.balance import MAX_LOAD_GAP, choose_cache_aware, choose_engine, load_score
+from hybridlb.api.balance import MAX_LOAD_GAP, RankView, choose_cache_aware, choose_engine, load_score
 from hybridlb.api.prefix_index import PrefixIndex
 
 
@@ -36,21 +36,48 @@ def test_an_engine_with_fresh_stats_does_not_look_busier_than_one_with_stale_sta
     assert fresh == stale == 4
 
 
+def _ranks(*ranks) -> list[RankView]:
+    """(requests, prefill_tokens, cached_tokens, pressure) per rank."""
+    return [RankView(*rank) for rank in ranks]
+
+
 def test_cache_aware_goes_where_the_prefix_is_cached():
-    assert choose_cache_aware([0, 0], [0, 512], start=0) == 1
-    assert choose_cache_aware([3, 1], [1024, 0], start=1) == 0  # a long cached prompt outweighs a little load
-    assert choose_cache_aware([1, 0], [240, 0], start=0) == 1  # a short one does not
-    assert [choose_cache_aware([0, 0], [240, 0], s) for s in range(2)] == [0, 1]  # nor does it break ties
+    assert choose_cache_aware(_ranks((0, 0, 0, 0), (0, 0, 512, 0)), 520, start=0) == 1
+    assert choose_cache_aware(_ranks((3, 0, 1024, 0), (1, 0, 0, 0)), 1040, start=1) == 0  # outweighs a little load
+    assert choose_cache_aware(_ranks((1, 0, 240, 0), (0, 0, 0, 0)), 250, start=0) == 1  # a short prefix does not
+    assert [choose_cache_aware(_ranks((0, 0, 240, 0), (0, 0, 0, 0)), 250, s) for s in range(2)] == [0, 1]  # nor ties
+
+
+def test_cache_aware_spills_when_the_load_outweighs_the_prefill_saved():
+    cached = (1000, 0.0)
+    assert choose_cache_aware(_ranks((7, 0, *cached), (0, 0, 0, 0.0)), 1032, start=0) == 0  # 7 x 128 < 1000
+    assert choose_cache_aware(_ranks((8, 0, *cached), (0, 0, 0, 0.0)), 1032, start=0) == 1  # 8 x 128 > 1000
+    # A full cache would lose a prefix to the replica: the cached rank keeps it a while longer.
+    full = (1000, 1.0)
+    assert choose_cache_aware(_ranks((8, 0, *full), (0, 0, 0, 1.0)), 1032, start=0) == 0
+
+
+def test_cache_aware_does_not_queue_a_prompt_behind_a_long_prefill():
+    # Rank 0 caches the prefix but still prefills 2,000 tokens for others: the first token
+    # comes sooner from rank 1, which computes the whole prompt at once.
+    assert choose_cache_aware(_ranks((2, 2000, 1000, 0.2), (2, 0, 0, 0.2)), 1032, start=0) == 1
+    assert choose_cache_aware(_ranks((2, 300, 1000, 0.2), (2, 0, 0, 0.2)), 1032, start=0) == 0
+
+
+def test_cache_aware_places_a_new_prefix_on_the_emptier_cache():
+    assert choose_cache_aware(_ranks((1, 0, 0, 0.9), (1, 0, 0, 0.1)), 1032, start=0) == 1
 
 
 def test_cache_aware_never_picks_a_rank_far_busier_than_the_least_loaded():
-    assert choose_cache_aware([MAX_LOAD_GAP, 0], [4096, 0], start=0) == 0  # at the limit: still the cache
-    assert choose_cache_aware([MAX_LOAD_GAP + 1, 0], [4096, 0], start=0) == 1  # past it: spill
+    full = (4096, 1.0)
+    assert choose_cache_aware(_ranks((MAX_LOAD_GAP, 0, *full), (0, 0, 0, 1.0)), 4100, start=0) == 0  # at the limit
+    assert choose_cache_aware(_ranks((MAX_LOAD_GAP + 1, 0, *full), (0, 0, 0, 1.0)), 4100, start=0) == 1  # past it
 
 
-def test_cache_aware_without_any_cache_is_least_loaded():
+def test_cache_aware_without_any_cache_or_queue_is_least_loaded():
     for loads in ([0, 0, 0], [2, 1, 3], [1, 0, 0]):
-        assert [choose_cache_aware(loads, [0] * 3, s) for s in range(4)] == [choose_engine(loads, s) for s in range(4)]
+        ranks = [RankView(load, 0, 0, 0.0) for load in loads]
+        assert [choose_cache_aware(ranks, 100, s) for s in range(4)] == [choose_engine(loads, s) for s in range(4)]
 
 
 def test_the_prefix_index_forgets_evicted_blocks_and_old_prompts():

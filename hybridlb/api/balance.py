@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 
 def load_score(waiting: int, running: int, in_flight_here: int) -> int:
     """One engine's load: ``4*waiting + running`` from its latest stats, plus this API
@@ -31,31 +33,54 @@ def choose_engine(loads: list[int], start: int) -> int:
     return best
 
 
-# cache_aware: every CACHED_TOKENS_PER_LOAD cached prompt tokens make a rank count one load
-# unit (one running request) less busy, in whole units, once at least MIN_CACHED_TOKENS are
-# cached: a shorter prefix (a chat template's first blocks, a short shared instruction)
-# saves less prefill than piling its requests onto one rank costs, so it leaves ties to
-# rotate as least_loaded does. A 1,000-token cached system prompt is worth 7 units.
-CACHED_TOKENS_PER_LOAD = 128
+class RankView(NamedTuple):
+    """What ``cache_aware`` weighs for one rank."""
+
+    requests: int  # requests on the rank: its stats' waiting + running, or this server's in flight if more
+    prefill_tokens: int  # prompt tokens this server sent there that are not prefilled yet (no first token)
+    cached_tokens: int  # of this prompt's, held there by this server's PrefixIndex
+    pressure: float  # share of the rank's KV pool the index holds reusable prompts in (0 to 1)
+
+
+# cache_aware prices a rank in prompt tokens to prefill:
+#
+#   prefill_tokens                  the prompts queued there before this one: its first token
+#                                   waits for them
+# + uncached * (1 + pressure)       this prompt's tokens the rank would compute; a full cache
+#                                   also loses what the new blocks evict (a prefix other
+#                                   requests may need), so a replica costs up to twice
+# + TOKENS_PER_REQUEST * requests   each request decoding there slows every step of this one
+#
+# A 1,000-token prefix cached on one rank outweighs ~8 requests of load there (~16 once the
+# other rank's cache is full), unless that rank still has as much prefill queued: then the
+# first token comes sooner from the other rank. A prompt cached nowhere goes to the least
+# busy rank, the emptier cache breaking near-ties. Cached prefixes under MIN_CACHED_TOKENS
+# do not count (a chat template's first blocks save less prefill than piling every request
+# onto one rank costs), and no rank more than MAX_LOAD_GAP requests above the least loaded
+# is picked, so one hot prefix spreads out.
+TOKENS_PER_REQUEST = 128
 MIN_CACHED_TOKENS = 256
-MAX_LOAD_GAP = 8  # cache_aware never picks a rank this much busier than the least loaded
+MAX_LOAD_GAP = 8
 
 
-def choose_cache_aware(loads: list[int], cached_tokens: list[int], start: int, max_gap: int = MAX_LOAD_GAP) -> int:
-    """Index of the rank that serves a request cheapest: load minus what its prefix cache
-    saves, among ranks within ``max_gap`` of the least loaded (so one hot prefix spreads
-    over the ranks instead of piling onto one: the next rank it spills to caches it too).
-    Ties go to the first at or after ``start``; with no long cached prefix anywhere this
-    is ``choose_engine``."""
-    count = len(loads)
-    window = min(loads) + max_gap
+def serve_cost(rank: RankView, prompt_tokens: int) -> float:
+    """What serving a ``prompt_tokens`` prompt on ``rank`` costs, in prompt tokens (see above)."""
+    cached = rank.cached_tokens if rank.cached_tokens >= MIN_CACHED_TOKENS else 0
+    uncached = max(0, prompt_tokens - cached)
+    return rank.prefill_tokens + uncached * (1 + rank.pressure) + TOKENS_PER_REQUEST * rank.requests
+
+
+def choose_cache_aware(ranks: list[RankView], prompt_tokens: int, start: int, max_gap: int = MAX_LOAD_GAP) -> int:
+    """Index of the rank that serves the prompt cheapest (``serve_cost``), among ranks within
+    ``max_gap`` requests of the least loaded. Ties go to the first at or after ``start``."""
+    count = len(ranks)
+    window = min(rank.requests for rank in ranks) + max_gap
     best, best_cost = None, None
     for offset in range(count):
         index = (start + offset) % count
-        if loads[index] > window:
+        if ranks[index].requests > window:
             continue
-        cached = cached_tokens[index] if cached_tokens[index] >= MIN_CACHED_TOKENS else 0
-        cost = loads[index] - cached // CACHED_TOKENS_PER_LOAD
+        cost = serve_cost(ranks[index], prompt_tokens)
         if best_cost is None or cost < best_cost:
             best, best_cost = index, cost
     return best

@@ -24,7 +24,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from hybridlb.api.balance import load_score
+from hybridlb.api.balance import RankView, load_score
 from hybridlb.api.prefix_index import PrefixIndex
 from hybridlb.protocol import (
     AbortRequests,
@@ -72,6 +72,9 @@ class EngineConnection:
         connect_securely(self.socket, address, token)
         self.socket.connect(address)
         self.streams: dict[str, asyncio.Queue] = {}
+        # request id -> its prompt tokens the engine still has to prefill (as estimated when
+        # sent), until its first output: the queue a new prompt's first token waits behind
+        self.prefilling: dict[str, int] = {}
         self.info: EngineReady | None = None
         self.alive = False
         self.stats: EngineStats | None = None
@@ -101,12 +104,14 @@ class EngineConnection:
         return bool(limit) and self.stats is not None and self.stats.num_waiting >= limit
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-            wave: int = 0) -> asyncio.Queue:
-        """Send a request; its outputs (or an EngineUnavailable) arrive on the returned queue."""
+            wave: int = 0, cached_tokens: int = 0) -> asyncio.Queue:
+        """Send a request; its outputs (or an EngineUnavailable) arrive on the returned queue.
+        ``cached_tokens``: how much of the prompt the engine is expected to find cached."""
         if not self.alive:
             raise EngineUnavailable(f"engine {self.rank} is not available")
         queue: asyncio.Queue = asyncio.Queue()
         self.streams[request_id] = queue
+        self.prefilling[request_id] = max(0, len(prompt_token_ids) - cached_tokens)
         self._send(AddRequest(request_id, prompt_token_ids, params, wave))
         return queue
 
@@ -114,6 +119,7 @@ class EngineConnection:
         """Forget a request's stream; ``abort`` also stops it in the engine (queued while the
         engine is unreachable: if it comes back without having restarted, it still runs it)."""
         self.streams.pop(request_id, None)
+        self.prefilling.pop(request_id, None)
         if abort:
             self._send(AbortRequests([request_id]))
 
@@ -178,6 +184,7 @@ class EngineConnection:
         for queue in self.streams.values():
             queue.put_nowait(failure)
         self.streams.clear()
+        self.prefilling.clear()
         if ids and self.alive:
             self._send(AbortRequests(ids))
 
@@ -203,8 +210,23 @@ class EngineConnection:
         waiting, running = (self.stats.num_waiting, self.stats.num_running) if self.stats else (0, 0)
         return load_score(waiting, running, len(self.streams))
 
+    def cache_view(self, hashes: list[int]) -> RankView:
+        """What ``cache_aware`` weighs for this rank, for a prompt with block ``hashes``."""
+        waiting, running = (self.stats.num_waiting, self.stats.num_running) if self.stats else (0, 0)
+        return RankView(requests=max(waiting + running, len(self.streams)),
+                        prefill_tokens=sum(self.prefilling.values()),
+                        cached_tokens=self.cached_tokens(hashes),
+                        pressure=len(self.prefix) / self.prefix.capacity if self.prefix is not None else 0.0)
+
+    def cached_tokens(self, hashes: list[int]) -> int:
+        """How many leading prompt tokens (of block ``hashes``) this server believes the rank caches."""
+        if self.prefix is None or self.info is None or not hashes:
+            return 0
+        return self.prefix.matched(hashes) * self.info.block_size
+
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
+            self.prefilling.pop(output.request_id, None)  # its first output: prefilled
             queue = self.streams.get(output.request_id)
             if queue is not None:  # else: already released (stop string, disconnect)
                 queue.put_nowait(output)

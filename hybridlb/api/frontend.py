@@ -140,11 +140,11 @@ class Frontend:
         """Pick an engine not tried yet and send the request; raise APIError(503) when none is left."""
         hashes = self._block_hashes(prompt_ids)
         while True:
-            engine = self.pick(rank, frozenset(tried), hashes)
+            engine = self.pick(rank, frozenset(tried), hashes, len(prompt_ids))
             tried.add(engine.rank)
             try:
                 wave = self.snapshot.current_wave if self.snapshot else 0
-                queue = engine.add(request_id, prompt_ids, params, wave)
+                queue = engine.add(request_id, prompt_ids, params, wave, engine.cached_tokens(hashes))
                 if engine.prefix is not None and hashes:
                     engine.prefix.record(hashes)
                 return engine, queue
@@ -169,9 +169,10 @@ class Frontend:
         return block_hashes(prompt_ids, info.block_size, info.block_hash_seed)
 
     def pick(self, rank: int | None = None, exclude: frozenset[int] = frozenset(),
-             hashes: list[int] = ()) -> EngineConnection:
+             hashes: list[int] = (), prompt_tokens: int = 0) -> EngineConnection:
         """The engine for a new request: ``rank`` if pinned, else by the policy among the live
-        ones (``cache_aware`` weighs the prompt's ``hashes`` each rank holds against its load)."""
+        ones (``cache_aware`` weighs what each rank holds of the prompt's ``hashes`` against its
+        load and its queue of prompts to prefill)."""
         self.check_rank(rank)
         if (outage := self.outage()) is not None:
             raise APIError(503, outage)
@@ -187,8 +188,7 @@ class Frontend:
             if self.policy == "round_robin":
                 engine = live[turn % len(live)]
             elif self.policy == "cache_aware" and hashes:
-                cached = [e.prefix.matched(hashes) * e.info.block_size if e.prefix is not None else 0 for e in live]
-                engine = live[choose_cache_aware([e.score for e in live], cached, turn)]
+                engine = live[choose_cache_aware([e.cache_view(hashes) for e in live], prompt_tokens, turn)]
             else:
                 engine = live[choose_engine([e.score for e in live], turn)]
         if not engine.alive:
