@@ -205,15 +205,18 @@ class EngineConnection:
             self.on_stats(stats)
 
     @property
+    def _reported(self) -> tuple[int, int]:
+        """(waiting, running) by the engine's latest stats."""
+        return (self.stats.num_waiting, self.stats.num_running) if self.stats else (0, 0)
+
+    @property
     def score(self) -> int:
         """Load for balancing (``balance.load_score``)."""
-        waiting, running = (self.stats.num_waiting, self.stats.num_running) if self.stats else (0, 0)
-        return load_score(waiting, running, len(self.streams))
+        return load_score(*self._reported, len(self.streams))
 
     def cache_view(self, hashes: list[int]) -> RankView:
         """What ``cache_aware`` weighs for this rank, for a prompt with block ``hashes``."""
-        waiting, running = (self.stats.num_waiting, self.stats.num_running) if self.stats else (0, 0)
-        return RankView(requests=max(waiting + running, len(self.streams)),
+        return RankView(requests=max(sum(self._reported), len(self.streams)),
                         prefill_tokens=sum(self.prefilling.values()),
                         cached_tokens=self.cached_tokens(hashes),
                         pressure=len(self.prefix) / self.prefix.capacity if self.prefix is not None else 0.0)
