@@ -28,11 +28,11 @@ import zmq
 import zmq.asyncio
 from common import checkpoint, free_port, stamp
 
-from hybridlb.api.app import ApiServerSpec
-from hybridlb.api.server import run_api_server
-from hybridlb.bench.serve import BenchArgs, run_benchmark, summarize
+from hybridlb.api.context import ApiServerSpec
+from hybridlb.api.http_server import run_api_server
+from hybridlb.bench.client import BenchArgs, run_benchmark, summarize
 from hybridlb.config import ApiConfig, Config, EngineConfig
-from hybridlb.engine.launch import start_engine, stop_engines, wait_until_ready
+from hybridlb.engine.spawn import start_engine, stop_engines, wait_until_ready
 from hybridlb.protocol import AddRequest, EngineOutputs, Hello, SamplingParams, encoder, from_engine_decoder
 
 
@@ -157,7 +157,8 @@ def main() -> None:
           f"{chunks['concurrency']} "
           f"(tiny model), API server CPU {chunks['api_server_cpu']:.0%} of a core")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"meta": stamp(quick=args.quick, rounds=args.rounds), "size": args.size, "concurrency": args.concurrency,
+    args.out.write_text(json.dumps({"meta": stamp(quick=args.quick, rounds=args.rounds), "size": args.size,
+                                    "concurrency": args.concurrency,
                                     "engine_threads": args.engine_threads,
                                     "overhead": overhead, "chunk_rate": chunks}, indent=2))
     print(f"wrote {args.out}")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from hybridlb.bench.serve import BenchArgs, make_prompts, run_benchmark, summarize
+from hybridlb.bench.client import BenchArgs, make_prompts, run_benchmark, summarize
 from hybridlb.lifecycle import die_with_parent
 
 # The real model every benchmark leads with (see README: Models); random checkpoints are secondary rows.
@@ -40,7 +40,7 @@ def smollm2_hf_dir(models_dir: Path) -> str:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from hybridlb.model.checkpoint import resolve
+        from hybridlb.checkpoint.path import resolve
 
         gguf = resolve(SMOLLM2).path
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)

@@ -292,7 +292,7 @@ def main() -> None:
     args = parser.parse_args()
     from common import checkpoint
 
-    from hybridlb.model.tokenizer import Tokenizer
+    from hybridlb.checkpoint.tokenizer import Tokenizer
 
     model = checkpoint(args.models_dir, "qwen3", "tiny")  # tokenizer and config.json only; no weights load
     vocab = Tokenizer(model).vocab_size

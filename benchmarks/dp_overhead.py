@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 from common import Server, checkpoint, drive, free_port, stamp, vllm_executable
 
-from hybridlb.model.tokenizer import Tokenizer
+from hybridlb.checkpoint.tokenizer import Tokenizer
 
 INPUT, OUTPUT, PROMPTS, CONCURRENCY = 32, 64, 200, 16
 

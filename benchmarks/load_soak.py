@@ -317,7 +317,8 @@ def run_soak(args: argparse.Namespace, model: str) -> dict:
     middle = (steady[0]["t_s"] + steady[-1]["t_s"]) / 2
     for name in samples[-1]["rss_mib"]:
         points = [(s["t_s"] / 60, s["rss_mib"][name]) for s in steady if name in s["rss_mib"]]
-        early, late = slope([p for p in points if p[0] * 60 <= middle]), slope([p for p in points if p[0] * 60 >= middle])
+        early = slope([p for p in points if p[0] * 60 <= middle])
+        late = slope([p for p in points if p[0] * 60 >= middle])
         processes[name] = {"start_mib": points[0][1], "end_mib": points[-1][1], "slope_mib_per_min": slope(points),
                            "early_slope_mib_per_min": early, "late_slope_mib_per_min": late,
                            "flat": late < args.max_slope}

@@ -26,8 +26,8 @@ from pathlib import Path
 import httpx
 from common import Server, checkpoint, drive, free_port, stamp
 
-from hybridlb.bench.serve import BenchArgs, make_prompts
-from hybridlb.model.tokenizer import Tokenizer
+from hybridlb.bench.client import BenchArgs, make_prompts
+from hybridlb.checkpoint.tokenizer import Tokenizer
 
 INPUT, OUTPUT, PROMPTS, CONCURRENCY = 16, 128, 64, 16
 

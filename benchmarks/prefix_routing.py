@@ -47,8 +47,8 @@ from pathlib import Path
 import httpx
 from common import Server, previous_results, smollm2_hf_dir, stamp, vllm_executable, wait_quiet
 
-from hybridlb.bench.serve import BenchArgs, run_benchmark, run_sessions, summarize
-from hybridlb.model.tokenizer import Tokenizer
+from hybridlb.bench.client import BenchArgs, run_benchmark, run_sessions, summarize
+from hybridlb.checkpoint.tokenizer import Tokenizer
 
 HYBRIDLB = {
     "cache_aware": ("--lb-policy", "cache_aware"),
@@ -136,7 +136,8 @@ def measure(server: Server, vocab: int, round_seed: int, workloads=WORKLOADS) ->
         wait_quiet([server.process.pid])
         before = cache_stats(server)
         row = rows[workload] = delta(run(server, workload, prompts), before)
-        print(f"  {server.name:<22} {workload:<10} {row['output_tok_s']:>6.0f} tok/s  TTFT P50 {row['p50_ttft_ms']:>6.0f}"
+        print(f"  {server.name:<22} {workload:<10} {row['output_tok_s']:>6.0f} tok/s  "
+              f"TTFT P50 {row['p50_ttft_ms']:>6.0f}"
               f" P99 {row['p99_ttft_ms']:>6.0f} ms  TPOT {row['mean_tpot_ms']:>5.1f} ms  hits {row['hit_rate']:.0%}"
               f"  busy {row.get('busy_s', '-')}", flush=True)
     return rows

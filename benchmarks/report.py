@@ -21,12 +21,24 @@ import os
 import platform
 import shutil
 import sys
+from collections.abc import Callable
 from datetime import datetime
 from importlib import metadata
 from pathlib import Path
 
+import report_sections as sections
 from common import script_hash
-from report_sections import SECTIONS, Page, generic
+from report_api import api_overhead, chat_ttft
+from report_routing import prefix_routing
+from report_sections import Page, generic
+from report_vs_vllm import vs_vllm
+
+SECTIONS: dict[str, Callable[[Page, dict], str]] = {
+    "engine_throughput": sections.engine_throughput, "api_overhead": api_overhead, "vs_vllm": vs_vllm,
+    "dp_overhead": sections.dp_overhead, "moe_waves": sections.moe_waves, "up_time": sections.up_time,
+    "load": sections.load, "soak": sections.soak, "control_plane": sections.control_plane,
+    "prefix_routing": prefix_routing, "chat_ttft": chat_ttft,
+}
 
 BENCHMARKS: dict[str, tuple[str, str, str]] = {  # name: title, command, what it measures
     "engine_throughput": ("Engine throughput vs transformers", "python benchmarks/engine_throughput.py",

@@ -2,7 +2,9 @@
 
 Each renderer is named after its benchmark's JSON file (``load`` renders load.json), takes
 the page and the parsed JSON, adds a table of every figure and its plots, and returns a
-one-line headline for the summary. ``benchmarks/report.py`` drives them.
+one-line headline for the summary. ``benchmarks/report.py`` drives them (its ``SECTIONS``
+names the renderer of each JSON file, here and in ``report_api``, ``report_routing`` and
+``report_vs_vllm``).
 """
 
 from __future__ import annotations
@@ -114,7 +116,8 @@ def engine_throughput(page: Page, data: dict) -> str:
     page.figure("engine_throughput", "output tok/s, hybridlb vs transformers", draw, len(data["results"]))
     if older:
         page.text("Not shown: models measured by an older `engine_throughput.py` (rerun with `--models "
-                  + ",".join(k for k, v in ARCHES.items() if v in {r["arch"] for r in older}) + "` to bring them back): "
+                  + ",".join(k for k, v in ARCHES.items() if v in {r["arch"] for r in older})
+                  + "` to bring them back): "
                   + ", ".join(f"{r['arch']} (commit {(r.get('meta') or {}).get('commit', '?')})" for r in older) + ".")
     return "; ".join(f"{r['arch']} mixed {r['mixed']['ratio_vs_best_transformers']:.2f}x best transformers"
                      for r in data["results"])
@@ -160,7 +163,8 @@ def moe_waves(page: Page, data: dict) -> str:
     label = [f"{s['share_rank0']:.0%} on rank 0" for s in skew]
     page.text("Dummy-step fraction per rank under skewed load (4 concurrent, pinned by header):")
     page.table(["load", *(f"rank {r}" for r in ranks)],
-               [[lb, *(f"{s['dummy_fraction'].get(r, 0):.1%}" for r in ranks)] for lb, s in zip(label, skew, strict=True)])
+               [[lb, *(f"{s['dummy_fraction'].get(r, 0):.1%}" for r in ranks)]
+                for lb, s in zip(label, skew, strict=True)])
 
     def draw(left, right):
         names = [s["setup"].replace(", ", "\n") for s in setups]
@@ -198,7 +202,8 @@ def up_time(page: Page, data: dict) -> str:
              "process tree RSS MiB")
 
     page.figure("up_time", "time to ready and memory", draw, 2)
-    return f"serve ready {local['serve']['ready_s']:.1f} s, up {local['up']['ready_s']:.1f} s; Ray +{local['ray_adds_mib']:.0f} MiB"
+    return (f"serve ready {local['serve']['ready_s']:.1f} s, up {local['up']['ready_s']:.1f} s; "
+            f"Ray +{local['ray_adds_mib']:.0f} MiB")
 
 
 def load(page: Page, data: dict) -> str:
@@ -365,14 +370,3 @@ def generic(page: Page, data) -> str:
     walk("", data)
     page.table(["figure", "value"], rows[:300])
     return ""
-
-
-from report_api import api_overhead, chat_ttft  # noqa: E402 - they render with this module's Page
-from report_routing import prefix_routing  # noqa: E402
-from report_vs_vllm import vs_vllm  # noqa: E402
-
-SECTIONS: dict[str, Callable[[Page, dict], str]] = {
-    "engine_throughput": engine_throughput, "api_overhead": api_overhead, "vs_vllm": vs_vllm,
-    "dp_overhead": dp_overhead, "moe_waves": moe_waves, "up_time": up_time, "load": load, "soak": soak,
-    "control_plane": control_plane, "prefix_routing": prefix_routing, "chat_ttft": chat_ttft,
-}

@@ -74,7 +74,7 @@ def three_nodes() -> dict:
     from ray.cluster_utils import Cluster
 
     from hybridlb.config import parse_config
-    from hybridlb.launch.ray_up import RayCluster
+    from hybridlb.launch.ray_driver import RayCluster
     from hybridlb.plan import plan_cluster
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")

@@ -39,7 +39,7 @@ from common import (
     wait_quiet,
 )
 
-from hybridlb.model.tokenizer import Tokenizer
+from hybridlb.checkpoint.tokenizer import Tokenizer
 
 # input, output, concurrency. The real model's are the ones vLLM's own numbers on this machine use.
 REAL_WORKLOADS = [(32, 64, 16), (256, 128, 32), (32, 64, 1), (32, 64, 64)]

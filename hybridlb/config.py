@@ -145,14 +145,18 @@ class EngineConfig(_Section):
     @model_validator(mode="after")
     def _check_cache_fits_a_sequence(self) -> EngineConfig:
         if self.num_kv_blocks is not None and self.max_model_len is not None:
-            needed = -(-self.max_model_len // self.block_size)
-            if self.num_kv_blocks < needed:
-                raise ValueError(
-                    f"num_kv_blocks={self.num_kv_blocks} cannot hold one sequence of max_model_len="
-                    f"{self.max_model_len} ({needed} blocks of {self.block_size}); raise num_kv_blocks "
-                    "or lower max_model_len"
-                )
+            check_kv_cache_fits(self.num_kv_blocks, self.block_size, self.max_model_len)
         return self
+
+
+def check_kv_cache_fits(num_blocks: int, block_size: int, max_model_len: int) -> None:
+    """Raise ValueError when ``num_blocks`` KV blocks cannot hold one sequence of ``max_model_len``
+    (checked here for an explicit ``num_kv_blocks``, and by every engine once it sized its cache)."""
+    needed = -(-max_model_len // block_size)
+    if num_blocks < needed:
+        raise ValueError(f"the KV cache ({num_blocks} blocks of {block_size} tokens) cannot hold one sequence of "
+                         f"max_model_len={max_model_len} ({needed} blocks); raise kv_cache_gib / num_kv_blocks "
+                         "or lower max_model_len")
 
 
 class ApiConfig(_Section):
@@ -299,7 +303,7 @@ class Config(_Section):
         return self.served_model_names[0]
 
 
-def _describe(error: ValidationError) -> str:
+def _problem_lines(error: ValidationError) -> str:
     lines = []
     for item in error.errors():
         where = ".".join(str(part) for part in item["loc"]) or "(top level)"
@@ -317,7 +321,7 @@ def parse_config(data: object, source: str = "config") -> Config:
     try:
         return Config.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(f"{source} is invalid:\n{_describe(exc)}") from None
+        raise ConfigError(f"{source} is invalid:\n{_problem_lines(exc)}") from None
 
 
 def load_config(path: str | Path) -> Config:

@@ -40,8 +40,8 @@ from hybridlb.protocol import (
     LoadSnapshot,
     StartWave,
     WaveComplete,
-    describe,
     encoder,
+    error_text,
     is_newer,
     to_coordinator_decoder,
 )
@@ -96,7 +96,7 @@ class Coordinator:
         try:
             message = to_coordinator_decoder.decode(payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            log.warning("dropped a malformed message (%d bytes): %s", len(payload), describe(exc))
+            log.warning("dropped a malformed message (%d bytes): %s", len(payload), error_text(exc))
             return
         if isinstance(message, EngineStats):
             self._stats(message)
@@ -158,6 +158,10 @@ class Coordinator:
         self.changed = False
         self.last_publish = now
 
+    def stop(self) -> None:
+        """Ask ``run`` to return (signal-safe: it only sets a flag the loop checks within a second)."""
+        self.stopping = True
+
     def run(self) -> None:
         poller = zmq.Poller()
         poller.register(self.stats_in, zmq.POLLIN)
@@ -187,6 +191,6 @@ def run_coordinator(stats_address: str, loads_address: str, size: int, waves_add
     lifecycle.configure_logging("hybridlb:coordinator")
     lifecycle.die_with_parent()
     coordinator = Coordinator(stats_address, loads_address, size, waves_address, token)
-    lifecycle.on_terminate(lambda: setattr(coordinator, "stopping", True))
+    lifecycle.on_terminate(coordinator.stop)
     log.info("coordinator for %d ranks: stats in %s, loads out %s", size, stats_address, loads_address)
     coordinator.run()

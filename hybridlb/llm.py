@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 import torch
 
 from hybridlb import lifecycle
+from hybridlb.checkpoint.detokenizer import IncrementalDetokenizer
+from hybridlb.checkpoint.tokenizer import Tokenizer
 from hybridlb.config import EngineConfig
-from hybridlb.engine.simulated import make_core
-from hybridlb.model.detokenizer import IncrementalDetokenizer
-from hybridlb.model.tokenizer import Tokenizer
+from hybridlb.engine.core import make_core
 from hybridlb.protocol import SamplingParams, TokenLogprobs
 
 
@@ -65,17 +65,14 @@ class LLM:
             for output in self.engine.step():
                 result, detok = live[output.request_id]
                 result.token_ids += output.new_token_ids
-                result.text += detok.push(output.new_token_ids)
+                text, result.finish_reason = detok.take(output.new_token_ids, output.finish_reason)
+                result.text += text
                 if output.logprobs is not None:
                     result.logprobs = (result.logprobs or []) + output.logprobs
                 if output.prompt_logprobs is not None:
                     result.prompt_logprobs = output.prompt_logprobs
                 if detok.stopped:
                     self.engine.abort([output.request_id])
-                    result.finish_reason = "stop"
-                elif output.finish_reason is not None:
-                    result.text += detok.finish()
-                    result.finish_reason = output.finish_reason
                 if result.finish_reason is not None:
                     del live[output.request_id]
         return results

@@ -150,7 +150,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
         if self.top_k < 0:
             found.append(("top_k", f"top_k must be >= 0 (0 disables it), got {self.top_k}"))
         if not 0 < self.repetition_penalty <= 100:
-            found.append(("repetition_penalty", f"repetition_penalty must be in (0, 100], got {self.repetition_penalty}"))
+            found.append(("repetition_penalty",
+                          f"repetition_penalty must be in (0, 100], got {self.repetition_penalty}"))
         if any(not s for s in self.stop):
             found.append(("stop", "stop strings must not be empty"))
         if any(t < 0 for t in self.stop_token_ids):
@@ -349,7 +350,7 @@ def engine_input_limit(max_model_len: int) -> int:
     return 9 * max_model_len + 2**20
 
 
-def describe(error: Exception) -> str:
+def error_text(error: Exception) -> str:
     """A decode error for a log line: one short line, whatever bytes the sender put in it."""
     text = str(error).encode("unicode_escape").decode("ascii")
     return text if len(text) <= 300 else text[:300] + "..."
@@ -365,7 +366,7 @@ def decode_routed(frames: list[bytes], decoder: msgspec.msgpack.Decoder, log, wh
     try:
         return identity, decoder.decode(payload)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        log.warning("dropped a malformed %s (%d bytes): %s", what, len(payload), describe(exc))
+        log.warning("dropped a malformed %s (%d bytes): %s", what, len(payload), error_text(exc))
         return None
 
 

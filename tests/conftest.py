@@ -58,7 +58,7 @@ def smollm2_transformers():
     """transformers' own float32 load of the GGUF file: the reference (model, tokenizer)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hybridlb.model.checkpoint import resolve
+    from hybridlb.checkpoint.path import resolve
 
     path = resolve(SMOLLM2).path
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-HELPERS = {"common.py", "report_sections.py", "report_api.py", "report_routing.py", "report_vs_vllm.py"}  # modules the scripts import, not scripts
+# modules the scripts import, not scripts
+HELPERS = {"common.py", "report_sections.py", "report_api.py", "report_routing.py", "report_vs_vllm.py"}
 SCRIPTS = sorted(p for p in Path("benchmarks").glob("*.py") if p.name not in HELPERS)
 
 
@@ -28,4 +29,5 @@ def test_api_overhead_runs_end_to_end(tmp_path):
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert "HTTP / direct per round" in run.stdout
     overhead = json.loads(out.read_text())["overhead"]
-    assert len(overhead["ratios"]) == 3 and min(overhead["ratios"]) <= overhead["ratio_median"] <= max(overhead["ratios"])
+    ratios = overhead["ratios"]
+    assert len(ratios) == 3 and min(ratios) <= overhead["ratio_median"] <= max(ratios)

@@ -9,9 +9,9 @@ import shutil
 import pytest
 from jinja2 import TemplateError
 
-from hybridlb.model.chat_template import read_template_argument
-from hybridlb.model.checkpoint import CheckpointError
-from hybridlb.model.tokenizer import Tokenizer
+from hybridlb.checkpoint.chat_template import read_template_argument
+from hybridlb.checkpoint.path import CheckpointError
+from hybridlb.checkpoint.tokenizer import Tokenizer
 
 # Everything real templates lean on: loop controls, namespace, tojson of non-ASCII text,
 # strftime_now, raise_exception, tools, documents, the generation tag and special tokens.
@@ -26,15 +26,15 @@ RICH_TEMPLATE = """{{ bos_token }}{% set ns = namespace(n=0) %}
 {% if m.role == 'assistant' %}{% generation %}{{ m.content }}{% endgeneration %}{% else %}{{ m.content }}{% endif %}<|im_end|>
 {% endfor %}systems={{ ns.n }} year={{ strftime_now('%Y') }}
 {%- if add_generation_prompt %}<|im_start|>assistant
-{% endif %}"""
+{% endif %}"""  # noqa: E501 - the template is one line per construct
 MESSAGES = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "Zürich café 中文?"},
     {"role": "assistant", "content": "Oui."},
     {"role": "user", "content": "never rendered: the loop breaks first"},
 ]
-TOOLS = [{"type": "function", "function": {"name": "météo", "description": "Weather in a city",
-                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
+TOOLS = [{"type": "function", "function": {"name": "météo", "description": "Weather in a city", "parameters": CITY}}]
 DOCUMENTS = [{"title": "Paris", "text": "Capital of France."}, {"title": "Lyon", "text": "Food."}]
 
 

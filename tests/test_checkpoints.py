@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hybridlb import LLM
-from hybridlb.model.spec import CheckpointError
-from hybridlb.model.tokenizer import Tokenizer
+from hybridlb.checkpoint.spec import CheckpointError
+from hybridlb.checkpoint.tokenizer import Tokenizer
 
 
 @pytest.fixture
@@ -77,7 +77,8 @@ def test_missing_tensor_is_named(broken):
     tensors = load_file(broken / "model.safetensors")
     del tensors["model.layers.1.self_attn.k_proj.weight"]
     save_file(tensors, broken / "model.safetensors")
-    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.self_attn\.k_proj\.weight \(shape \[64, 128\]\) is missing"):
+    missing = r"model\.layers\.1\.self_attn\.k_proj\.weight \(shape \[64, 128\]\) is missing"
+    with pytest.raises(CheckpointError, match=missing):
         _load(broken)
 
 
@@ -117,7 +118,7 @@ def test_unknown_make_model_arch(tmp_path):
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "qwen2", "mixtral"])
 def test_the_spec_counts_the_loaded_models_parameters(checkpoints, arch):
     """What `render k8s` sizes a pod's memory from: exactly the weights the engine holds."""
-    from hybridlb.model.spec import load_spec
+    from hybridlb.checkpoint.spec import load_spec
 
     model = checkpoints(arch)
     loaded = LLM(model, max_model_len=128, kv_cache_gib=0.01, dtype="float32").engine.runner.model

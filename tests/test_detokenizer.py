@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridlb.model.detokenizer import IncrementalDetokenizer
-from hybridlb.model.tokenizer import Tokenizer
+from hybridlb.checkpoint.detokenizer import IncrementalDetokenizer
+from hybridlb.checkpoint.tokenizer import Tokenizer
 
 TEXT = "Zürich café — naïve 中文字符 and 日本語 with 🚀🎉 emoji, α ≤ β, done."
 

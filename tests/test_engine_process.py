@@ -10,10 +10,10 @@ import pytest
 import zmq
 
 from hybridlb import LLM, SamplingParams
+from hybridlb.checkpoint.tokenizer import Tokenizer
 from hybridlb.config import EngineConfig
 from hybridlb.engine.client import EngineClient
-from hybridlb.engine.launch import EngineStartError, start_engine, stop_engines, wait_until_ready
-from hybridlb.model.tokenizer import Tokenizer
+from hybridlb.engine.spawn import EngineStartError, start_engine, stop_engines, wait_until_ready
 from tests.conftest import PROMPTS
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from hybridlb import LLM, SamplingParams
-from hybridlb.model.checkpoint import CheckpointError, resolve
+from hybridlb.checkpoint.path import CheckpointError, resolve
+from hybridlb.checkpoint.tokenizer import Tokenizer
 from hybridlb.model.make_model import make_model
-from hybridlb.model.tokenizer import Tokenizer
 from tests.conftest import PROMPTS, reference_greedy
 from tests.gguf_writer import write_gguf
 
@@ -50,7 +50,7 @@ def test_a_directory_holding_one_gguf_file_is_a_model(tmp_path, llama_dir):
 
 
 def test_sampling_defaults_come_from_the_gguf_metadata(tmp_path, llama_dir):
-    from hybridlb.model.generation_config import sampling_defaults
+    from hybridlb.checkpoint.generation_config import sampling_defaults
 
     plain = write_gguf(llama_dir, tmp_path / "plain.gguf", "F16")
     assert sampling_defaults(str(plain)) == {}

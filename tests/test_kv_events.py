@@ -14,7 +14,7 @@ from hybridlb import SamplingParams
 from hybridlb.config import EngineConfig, KVEventsConfig
 from hybridlb.engine.client import EngineClient
 from hybridlb.engine.kv_events import END_OF_REPLAY, rank_endpoint
-from hybridlb.engine.launch import start_engine, stop_engines, wait_until_ready
+from hybridlb.engine.spawn import start_engine, stop_engines, wait_until_ready
 from hybridlb.prefix_hash import block_hashes, hash_seed
 from tests.servers import free_port
 from tests.sockets import assert_drops_oversized

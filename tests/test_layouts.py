@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hybridlb import LLM, SamplingParams
-from hybridlb.model.spec import CheckpointError
+from hybridlb.checkpoint.spec import CheckpointError
 from tests.conftest import PROMPTS, hf_greedy
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

@@ -11,13 +11,14 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from hybridlb.api.completions import Job, _sse
 from hybridlb.api.engine_client import EngineConnection, EngineUnavailable
+from hybridlb.api.jobs import Job
+from hybridlb.api.responses import _sse
 from hybridlb.config import EngineConfig
 from hybridlb.engine.client import EngineClient
-from hybridlb.engine.launch import start_engine, stop_engines, wait_until_ready
-from hybridlb.engine.process import EngineFailed, EngineServer
-from hybridlb.engine.simulated import make_core
+from hybridlb.engine.core import make_core
+from hybridlb.engine.shell import EngineFailed, EngineShell
+from hybridlb.engine.spawn import start_engine, stop_engines, wait_until_ready
 from hybridlb.protocol import SamplingParams
 
 LONG = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
@@ -48,7 +49,7 @@ def test_a_failing_step_fails_only_its_requests(tiny_qwen3):
 def test_an_engine_whose_io_thread_dies_stops(tiny_qwen3, tmp_path, monkeypatch):
     """Without its I/O thread an engine hears nothing: it must exit, not look alive."""
     address = f"ipc://{tmp_path}/engine"
-    server = EngineServer(make_core(_simulated(tiny_qwen3)), address)
+    server = EngineShell(make_core(_simulated(tiny_qwen3)), address)
 
     def broken(frames):
         raise RuntimeError("a bug in decoding")

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from hybridlb.config import ConfigError, EngineConfig, parse_config
-from hybridlb.engine.simulated import SimulatedCore, make_core
+from hybridlb.engine.core import SimulatedCore, make_core
 from hybridlb.protocol import SamplingParams
 from tests.servers import Server, completion, free_port_range, start_servers
 
@@ -80,7 +80,7 @@ def test_invalid_requests_get_errors_like_the_real_core(tiny_qwen3):
 
 
 def test_the_engine_process_never_imports_torch(tiny_qwen3):
-    code = ("import sys; import hybridlb.engine.launch; from hybridlb.engine.simulated import make_core; "
+    code = ("import sys; import hybridlb.engine.spawn; from hybridlb.engine.core import make_core; "
             "from hybridlb.config import EngineConfig; "
             f"make_core(EngineConfig(model={tiny_qwen3!r}, simulate={{'step_ms': 1}})).step(); "
             "assert 'torch' not in sys.modules, 'torch was imported'")

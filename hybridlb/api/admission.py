@@ -1,10 +1,10 @@
 """How much one API server process takes on: ``api.max_concurrent_requests``, counted in
-sequences (prompts × n), the unit engines work in.
+sequences (prompts × n), the unit engines work in. The one place slots are counted.
 
-A request holds one slot from its first byte (so a flood of slow uploads is refused
-before anyone parses them), and its remaining sequences' slots once its body is parsed,
-until its response ends. ``RequestGuard`` gives all of them back: it records them in the
-ASGI scope under ``SCOPE_KEY``.
+A request holds one slot from its first byte (``admit``: so a flood of slow uploads is
+refused before anyone parses them), and its remaining sequences' slots once its body is
+parsed (``hold``), until its response ends (``release``). What an HTTP request holds is
+kept in its ASGI scope, so every exit path gives back exactly that.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 from hybridlb.api.errors import APIError
 
 RETRY_AFTER_S = 1
-SCOPE_KEY = "hybridlb.slots"  # scope[SCOPE_KEY]: slots this HTTP request holds
+_HELD = "hybridlb.slots"  # scope[_HELD]: slots this HTTP request holds
 
 
 class Slots:
@@ -20,19 +20,29 @@ class Slots:
         self.limit = limit  # 0: no limit
         self.in_use = 0
 
-    def check_size(self, count: int) -> None:
-        """400 if one request of ``count`` sequences could never fit."""
+    def admit(self, scope: dict) -> None:
+        """A request's first slot, taken by the middleware before its body is read (or 429)."""
+        self._take(1)
+        scope[_HELD] = 1
+
+    def hold(self, scope: dict, count: int) -> None:
+        """The request's body says it has ``count`` sequences: 400 if it could never fit, else
+        take the slots it does not hold yet (or 429)."""
         if self.limit and count > self.limit:
             raise APIError(400, f"this request has {count} sequences (prompts x n), more than this server "
                                 f"works on at once ({self.limit}, api.max_concurrent_requests); split it", param="n")
+        held = scope.get(_HELD)
+        if held is not None and count > held:  # None: not admitted by the middleware (an in-process call)
+            self._take(count - held)
+            scope[_HELD] = count
 
-    def take(self, count: int) -> None:
-        """Take ``count`` more slots, or raise 429."""
+    def release(self, scope: dict) -> None:
+        """The response ended: give back everything the request holds."""
+        self.in_use -= scope.pop(_HELD, 0)
+
+    def _take(self, count: int) -> None:
         if self.limit and self.in_use + count > self.limit:
             raise APIError(429, f"this server is already working on {self.in_use} sequences "
                                 f"(api.max_concurrent_requests={self.limit}); retry shortly",
                            code="too_many_requests", retry_after_s=RETRY_AFTER_S)
         self.in_use += count
-
-    def give_back(self, count: int) -> None:
-        self.in_use -= count

@@ -35,8 +35,8 @@ from hybridlb.protocol import (
     Hello,
     RequestOutput,
     SamplingParams,
-    describe,
     encoder,
+    error_text,
     from_engine_decoder,
     is_newer,
 )
@@ -142,7 +142,7 @@ class EngineConnection:
         try:
             message = from_engine_decoder.decode(frames[0].buffer)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            log.warning("engine %d sent a malformed message: %s", self.rank, describe(exc))
+            log.warning("engine %d sent a malformed message: %s", self.rank, error_text(exc))
             return
         if isinstance(message, EngineOutputs):
             if not self._in_sequence(message.seq):

@@ -94,8 +94,5 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
-        if exc.status_code == 404:
-            message = f"no route {request.method} {request.url.path}"
-        else:
-            message = str(exc.detail)
+        message = f"no route {request.method} {request.url.path}" if exc.status_code == 404 else str(exc.detail)
         return error_response(APIError(exc.status_code, message))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 
-from hybridlb.model.tokenizer import Tokenizer
+from hybridlb.checkpoint.tokenizer import Tokenizer
 from hybridlb.protocol import TokenLogprobs
 
 FLOOR = -9999.0

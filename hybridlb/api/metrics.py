@@ -47,6 +47,32 @@ def token_buckets(max_model_len: int) -> list[int]:
         scale *= 10
 
 
+# vLLM's per-request histograms, by the key ``Metrics.observe`` takes: name, help, buckets
+# (None: token counts up to max_model_len).
+HISTOGRAMS = {
+    "ttft": ("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS),
+    "itl": ("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS),
+    "tpot": ("vllm:request_time_per_output_token_seconds", "Histogram of time_per_output_token_seconds per request.",
+             ITL_BUCKETS),
+    "e2e": ("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+            REQUEST_LATENCY_BUCKETS),
+    "queue": ("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
+              REQUEST_LATENCY_BUCKETS),
+    "inference": ("vllm:request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request.",
+                  REQUEST_LATENCY_BUCKETS),
+    "prefill": ("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.",
+                REQUEST_LATENCY_BUCKETS),
+    "decode": ("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.",
+               REQUEST_LATENCY_BUCKETS),
+    "prompt": ("vllm:request_prompt_tokens", "Number of prefill tokens processed.", None),
+    "generation": ("vllm:request_generation_tokens", "Number of generation tokens processed.", None),
+    "max_tokens": ("vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.", None),
+    "max_generation": ("vllm:request_max_num_generation_tokens",
+                       "Histogram of maximum number of requested generation tokens.", None),
+    "n": ("vllm:request_params_n", "Histogram of the n request parameter.", N_BUCKETS),
+}
+
+
 @dataclass
 class Finished:
     """One finished request, as the API server saw it (times in seconds)."""
@@ -108,9 +134,6 @@ class Metrics:
         def g(name: str, help_: str, names=labels) -> Gauge:
             return Gauge(name, help_, names, registry=r, **gauge)
 
-        def h(name: str, help_: str, buckets) -> Histogram:
-            return Histogram(name, help_, labels, buckets=buckets, registry=r)
-
         self.running = g("vllm:num_requests_running", "Number of requests in model execution batches.")
         self.waiting = g("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
         self.kv_usage = g("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
@@ -120,30 +143,10 @@ class Metrics:
                                          labels, registry=r)
         self.success = Counter("vllm:request_success", "Count of successfully processed requests.",
                                [*labels, "finished_reason"], registry=r)
-        self.ttft = h("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                      TTFT_BUCKETS)
-        self.itl = h("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
-        self.tpot = h("vllm:request_time_per_output_token_seconds",
-                      "Histogram of time_per_output_token_seconds per request.", ITL_BUCKETS)
-        self.e2e = h("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
-                     REQUEST_LATENCY_BUCKETS)
-        self.queue = h("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
-                       REQUEST_LATENCY_BUCKETS)
-        self.inference = h("vllm:request_inference_time_seconds",
-                           "Histogram of time spent in RUNNING phase for request.", REQUEST_LATENCY_BUCKETS)
-        self.prefill = h("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.",
-                         REQUEST_LATENCY_BUCKETS)
-        self.decode = h("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.",
-                        REQUEST_LATENCY_BUCKETS)
         tokens = token_buckets(max_model_len)
-        self.request_prompt = h("vllm:request_prompt_tokens", "Number of prefill tokens processed.", tokens)
-        self.request_generation = h("vllm:request_generation_tokens", "Number of generation tokens processed.",
-                                    tokens)
-        self.max_tokens = h("vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.",
-                            tokens)
-        self.max_generation = h("vllm:request_max_num_generation_tokens",
-                                "Histogram of maximum number of requested generation tokens.", tokens)
-        self.n = h("vllm:request_params_n", "Histogram of the n request parameter.", N_BUCKETS)
+        self.histograms = {key: Histogram(name, help_, labels, buckets=tokens if buckets is None else buckets,
+                                          registry=r)
+                           for key, (name, help_, buckets) in HISTOGRAMS.items()}
         self.cache_config = g("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
                               ["block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching", "engine"])
         # hybridlb's own
@@ -202,8 +205,12 @@ class Metrics:
     def lost_requests(self, rank: int, reason: str, count: int = 1) -> None:
         self.of(self.lost, rank, reason).inc(count)
 
+    def observe(self, key: str, rank: int, value: float) -> None:
+        """One observation of histogram ``key`` (see HISTOGRAMS) for engine ``rank``."""
+        self.of(self.histograms[key], rank).observe(value)
+
     def first_token(self, rank: int, seconds: float) -> None:
-        self.of(self.ttft, rank).observe(seconds)
+        self.observe("ttft", rank, seconds)
         if self.observer is not None:
             self.observer.first_token(rank, seconds)
 
@@ -212,23 +219,19 @@ class Metrics:
             self.observer.finished(done.rank, done.reason)
         rank = done.rank
         self.of(self.success, rank, done.reason).inc()
-        self.of(self.e2e, rank).observe(done.e2e_s)
         self.of(self.prompt_tokens, rank).inc(done.prompt_tokens)
         self.of(self.generation_tokens, rank).inc(done.output_tokens)
-        self.of(self.request_prompt, rank).observe(done.prompt_tokens)
-        self.of(self.request_generation, rank).observe(done.output_tokens)
-        self.of(self.n, rank).observe(1)
+        observed = {"e2e": done.e2e_s, "prompt": done.prompt_tokens, "generation": done.output_tokens, "n": 1}
         if done.max_tokens is not None:
-            self.of(self.max_tokens, rank).observe(done.max_tokens)
-            self.of(self.max_generation, rank).observe(done.max_tokens)  # one sequence per request
+            observed.update(max_tokens=done.max_tokens, max_generation=done.max_tokens)  # one sequence per request
         if done.ttft_s is not None and done.output_tokens > 1:
-            self.of(self.tpot, rank).observe((done.e2e_s - done.ttft_s) / (done.output_tokens - 1))
+            observed["tpot"] = (done.e2e_s - done.ttft_s) / (done.output_tokens - 1)
         if done.queued_s is not None and done.prefill_s is not None and done.ttft_s is not None:
             decode_s = max(done.e2e_s - done.ttft_s, 0.0)
-            self.of(self.queue, rank).observe(done.queued_s)
-            self.of(self.prefill, rank).observe(done.prefill_s)
-            self.of(self.decode, rank).observe(decode_s)
-            self.of(self.inference, rank).observe(done.prefill_s + decode_s)
+            observed.update(queue=done.queued_s, prefill=done.prefill_s, decode=decode_s,
+                            inference=done.prefill_s + decode_s)
+        for key, value in observed.items():
+            self.observe(key, rank, value)
 
     def render(self) -> bytes:
         if self.multiprocess:

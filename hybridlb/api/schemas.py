@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from hybridlb.api.errors import APIError
-from hybridlb.model.generation_config import SAMPLING_KEYS
+from hybridlb.checkpoint.generation_config import SAMPLING_KEYS
 from hybridlb.protocol import MAX_LOGPROBS, SamplingParams
 
 MAX_PROMPTS = 1024  # prompts in one completion request (each becomes an engine request)
@@ -49,7 +49,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
+class SamplingRequest(BaseModel):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: Text
@@ -132,7 +132,7 @@ class _Sampling(BaseModel):
         return False
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingRequest):
     prompt: Text | list[Text] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     # The top alternatives shown per token (0: only the token's own); with echo, the prompt's too.
@@ -194,7 +194,7 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool | None = False

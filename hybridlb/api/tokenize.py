@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
+from hybridlb.api.context import ApiContext
 from hybridlb.api.errors import APIError
-from hybridlb.api.frontend import Frontend
 from hybridlb.api.schemas import ChatMessage, Int64, Text
 
 
@@ -37,31 +37,32 @@ class DetokenizeRequest(BaseModel):
     tokens: list[Int64]
 
 
-def tokenize(frontend: Frontend, body: TokenizeRequest) -> dict:
-    tokenizer = frontend.tokenizer
+def tokenize(ctx: ApiContext, body: TokenizeRequest) -> dict:
+    tokenizer = ctx.tokenizer
     if body.messages is not None:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt is not False)
+            text = tokenizer.apply_chat_template(messages,
+                                                 add_generation_prompt=body.add_generation_prompt is not False)
         except Exception as exc:
             raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from None
         ids = tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
     else:
         ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
-    strings = [frontend.logprob_format.text(t) for t in ids] if body.return_token_strs else None
-    return {"count": len(ids), "max_model_len": frontend.max_model_len, "tokens": ids, "token_strs": strings}
+    strings = [ctx.logprob_format.text(t) for t in ids] if body.return_token_strs else None
+    return {"count": len(ids), "max_model_len": ctx.pool.max_model_len, "tokens": ids, "token_strs": strings}
 
 
-def detokenize(frontend: Frontend, body: DetokenizeRequest) -> dict:
-    vocab = frontend.tokenizer.vocab_size
+def detokenize(ctx: ApiContext, body: DetokenizeRequest) -> dict:
+    vocab = ctx.tokenizer.vocab_size
     if any(not 0 <= t < vocab for t in body.tokens):
         raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
-    return {"prompt": frontend.tokenizer.decode(body.tokens)}
+    return {"prompt": ctx.tokenizer.decode(body.tokens)}
 
 
-def tokenizer_info(frontend: Frontend) -> dict:
-    tokenizer = frontend.tokenizer
+def tokenizer_info(ctx: ApiContext) -> dict:
+    tokenizer = ctx.tokenizer
     specials = {name: tokenizer.config.get(name) for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
     return {"tokenizer_class": tokenizer.config.get("tokenizer_class", "PreTrainedTokenizerFast"), **specials,
-            "chat_template": tokenizer.chat_template_text, "model_max_length": frontend.max_model_len,
+            "chat_template": tokenizer.chat_template_text, "model_max_length": ctx.pool.max_model_len,
             "vocab_size": tokenizer.vocab_size}

@@ -2,7 +2,9 @@
 
 One ``step()`` is: schedule → run the model → append sampled tokens → finish what
 stopped. Front ends (the process shell, the offline ``LLM``) add and abort requests
-between steps and forward the returned outputs.
+between steps and forward the returned outputs. Everything outside the engine package
+talks to the core through its methods: the scheduler, the block manager and the runner
+are its own. ``make_core`` builds the core a config asks for (the model, or a simulated one).
 """
 
 from __future__ import annotations
@@ -12,18 +14,18 @@ import time
 from typing import TYPE_CHECKING
 
 from hybridlb import lifecycle
+from hybridlb.checkpoint.tokenizer import read_eos_token_ids
 from hybridlb.config import EngineConfig
 from hybridlb.engine.block_manager import BlockManager
 from hybridlb.engine.dp_context import DPContext
 from hybridlb.engine.request import Request
 from hybridlb.engine.scheduler import ScheduledChunk, Scheduler
-from hybridlb.model.tokenizer import read_eos_token_ids
 from hybridlb.prefix_hash import hash_seed
-from hybridlb.protocol import EngineStats, RequestOutput, SamplingParams
+from hybridlb.protocol import EngineReady, EngineStats, RequestOutput, SamplingParams
 
 if TYPE_CHECKING:  # torch and the model load only with the real runner (not a simulated one)
-    import torch
-
+    from hybridlb.engine.block_manager import Removed, Stored
+    from hybridlb.engine.expert_parallel import ExpertParallel
     from hybridlb.engine.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -60,17 +62,11 @@ class EngineCore:
                                        "waiting (engine.max_queued_requests); retry shortly")
         room = self.max_model_len - len(prompt_token_ids)
         max_tokens = min(params.max_tokens or room, room)
-        generator = self._generator(params.seed) if params.seed is not None else None
+        generator = self.runner.generator(params.seed) if params.seed is not None else None
         request = Request(request_id, prompt_token_ids, params, max_tokens, generator)
         self.requests[request_id] = request
         self.scheduler.add(request)
         return None
-
-    def _generator(self, seed: int) -> torch.Generator:
-        """A per-request sampling generator (imported here: a simulated core never loads torch)."""
-        import torch
-
-        return torch.Generator(device=self.runner.device).manual_seed(seed)
 
     def _check(self, request_id: str, prompt: list[int], params: SamplingParams) -> str | None:
         if request_id in self.requests:
@@ -109,13 +105,17 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """One step of a dense engine. A step that raises fails only its own requests (an
         expert-parallel engine steps through ``Lockstep``, where a failure breaks the group)."""
-        chunks = self.scheduler.schedule()
+        chunks = self.schedule()
         if not chunks:
             return []
         try:
             return self.run_chunks(chunks)
         except Exception as exc:
             return self._fail_step(chunks, exc)
+
+    def schedule(self) -> list[ScheduledChunk]:
+        """What the next step computes (``Lockstep`` exchanges its size before running it)."""
+        return self.scheduler.schedule()
 
     def _fail_step(self, chunks: list[ScheduledChunk], exc: Exception) -> list[RequestOutput]:
         log.exception("engine %d: a step of %d requests failed; failing those requests and serving on",
@@ -130,14 +130,26 @@ class EngineCore:
                 outputs.append(RequestOutput(request.request_id, [], "error", error=error, error_kind="internal"))
         return outputs
 
-    def run_chunks(self, chunks: list[ScheduledChunk]) -> list[RequestOutput]:
-        """Run what ``scheduler.schedule()`` returned; sample, append, finish."""
-        started = time.perf_counter()
+    def run_chunks(self, chunks: list[ScheduledChunk], started: float | None = None) -> list[RequestOutput]:
+        """Run what ``schedule()`` returned; sample, append, finish. Busy time counts from
+        ``started`` (default: now), so work done for the step before it is included."""
+        started = time.perf_counter() if started is None else started
         tokens = self.runner.run(chunks)
         self.num_steps += 1
         outputs = self._postprocess(chunks, tokens)
         self.busy_s += time.perf_counter() - started
         return outputs
+
+    def dummy_step(self, started: float) -> None:
+        """Expert parallel: a step with no tokens that still joins every MoE layer's collectives
+        (busy time since ``started``, as a real step's)."""
+        self.runner.run([])
+        self.busy_s += time.perf_counter() - started
+
+    @property
+    def expert_parallel(self) -> ExpertParallel | None:
+        """The group this rank's MoE layers share with the other ranks (None: dense, or all experts here)."""
+        return self.runner.ep
 
     def _postprocess(self, chunks: list[ScheduledChunk], tokens: list[int]) -> list[RequestOutput]:
         outputs = []
@@ -194,7 +206,59 @@ class EngineCore:
         return self._rss[1]
 
 
+    # -- what the process shell publishes --------------------------------------------
+    def enable_cache_events(self, stored: bool) -> None:
+        """Record evicted blocks (front ends route by them) and, with ``stored``, blocks entering the
+        cache (for a KV-event publisher); ``take_cache_events`` hands them out."""
+        self.blocks.record_events = self.blocks.caching
+        self.blocks.record_stored = stored and self.blocks.caching
+
+    def take_cache_events(self) -> list[Stored | Removed]:
+        return self.blocks.take_events()
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self.blocks.caching
+
+    @property
+    def block_size(self) -> int:
+        return self.blocks.block_size
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.blocks.num_blocks
+
+    def ready_message(self, dp_group: bool) -> EngineReady:
+        """What this engine tells a front end that registers (``dp_group``: it joined a
+        torch.distributed group across ranks)."""
+        return EngineReady(
+            rank=self.rank, model=self.config.model, max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size, num_kv_blocks=self.blocks.num_blocks, block_size=self.blocks.block_size,
+            eos_token_ids=sorted(self.eos_token_ids), dp_group=dp_group, simulated=self.config.simulate is not None,
+            prefix_caching=self.blocks.caching, block_hash_seed=self.blocks.seed,
+            max_queued_requests=self.config.max_queued_requests,
+        )
+
+    def label(self) -> str:
+        """What this engine is, for its start-up log line."""
+        return self.runner.label()
+
+
 def _load_runner(config: EngineConfig, dp: DPContext) -> ModelRunner:
     from hybridlb.engine.model_runner import ModelRunner
 
     return ModelRunner(config, dp)
+
+
+class SimulatedCore(EngineCore):
+    """An ``EngineCore`` whose model is ``SimulatedRunner`` (``hybridlb.engine.simulated``)."""
+
+    def __init__(self, config: EngineConfig, dp: DPContext | None = None):
+        from hybridlb.engine.simulated import SimulatedRunner
+
+        super().__init__(config, dp, runner=SimulatedRunner(config))
+
+
+def make_core(config: EngineConfig, dp: DPContext | None = None) -> EngineCore:
+    """The engine core ``config`` asks for: simulated when ``engine.simulate`` is set, else the model."""
+    return SimulatedCore(config, dp) if config.simulate is not None else EngineCore(config, dp)

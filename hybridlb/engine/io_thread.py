@@ -16,7 +16,7 @@ import threading
 import msgspec
 import zmq
 
-from hybridlb.protocol import FRONT_END_SILENCE_S, StartWave, decode_routed, describe, to_engine_decoder
+from hybridlb.protocol import FRONT_END_SILENCE_S, StartWave, decode_routed, error_text, to_engine_decoder
 from hybridlb.transport import connect_securely, serve_securely
 
 log = logging.getLogger(__name__)
@@ -42,6 +42,7 @@ class IOThread(threading.Thread):
         self.router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         serve_securely(self.router, address, token)
         self.router.bind(address)
+        self.endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)  # a port 0 resolved
         self.outbox = context.socket(zmq.PULL)
         self.outbox.bind(outbox_address)
         self.waves = None
@@ -98,7 +99,7 @@ class IOThread(threading.Thread):
         try:
             message = to_engine_decoder.decode(payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            log.warning("dropped a malformed wave message: %s", describe(exc))
+            log.warning("dropped a malformed wave message: %s", error_text(exc))
             return
         if isinstance(message, StartWave) and message.rank != self.rank:
             self.inbox.put((b"", message))

@@ -28,7 +28,7 @@ from hybridlb.protocol import EngineStats, RequestOutput, StartWave, WaveComplet
 class Lockstep:
     def __init__(self, core: EngineCore):
         self.core = core
-        self.ep = core.runner.ep
+        self.ep = core.expert_parallel
         self.wave = 0
         self.running = False
         self.dummy_steps = 0
@@ -48,17 +48,14 @@ class Lockstep:
 
     def step(self) -> tuple[list[RequestOutput], WaveComplete | None]:
         """One lockstep step: real work, a dummy step, or the end of the wave."""
-        chunks = self.core.scheduler.schedule()
-        started = time.perf_counter()
+        chunks = self.core.schedule()
+        started = time.perf_counter()  # a synchronous metadata exchange is part of the step's busy time
         self.ep.begin_step(sum(c.num_tokens for c in chunks), self.core.has_work)
         if chunks:
-            # A synchronous metadata exchange happened before the step: part of its time.
-            self.core.busy_s += time.perf_counter() - started
-            return self.core.run_chunks(chunks), None
+            return self.core.run_chunks(chunks, started), None
         if self.ep.any_work:
             self.dummy_steps += 1
-            self.core.runner.run([])  # no tokens, but joins every MoE layer's collectives
-            self.core.busy_s += time.perf_counter() - started  # a dummy step is busy time too
+            self.core.dummy_step(started)  # no tokens, but joins every MoE layer's collectives
             return [], None
         finished = self.wave
         self.wave, self.running = finished + 1, False

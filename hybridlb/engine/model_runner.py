@@ -6,18 +6,18 @@ import logging
 
 import torch
 
+from hybridlb.checkpoint.spec import load_spec
 from hybridlb.config import EngineConfig
+from hybridlb.engine import kv_cache
 from hybridlb.engine.dp_context import DPContext
 from hybridlb.engine.dtypes import engine_dtype
+from hybridlb.engine.expert_parallel import ExpertParallel, expert_range, init_group
 from hybridlb.engine.request import Request
 from hybridlb.engine.sampler import Sampler
 from hybridlb.engine.scheduler import ScheduledChunk
 from hybridlb.model import kernels
 from hybridlb.model.attention import AttentionBatch, DecodeGroup, PagedTable, PrefillChunk
-from hybridlb.model.expert_parallel import ExpertParallel, expert_range, init_group
-from hybridlb.model.layers import MoEBlock
 from hybridlb.model.loader import load_model
-from hybridlb.model.spec import load_spec
 from hybridlb.protocol import TokenLogprobs
 
 # Fresh prompts up to this long attend through the kernel, longer ones through torch SDPA: on
@@ -59,62 +59,55 @@ class ModelRunner:
         self.spec = load_spec(config.model)
         self.max_model_len = self.spec.model_len(config.max_model_len)
         self.block_size = config.block_size
-        self.ep: ExpertParallel | None = None
+        self.ep: ExpertParallel | None = None  # experts sharded over the ranks (MoE lockstep)
         experts = None
         if dp is not None and dp.lockstep and self.spec.is_moe:
             experts = expert_range(self.spec.num_experts, dp.rank, dp.size)
             group, meta_group = init_group(dp.rendezvous, dp.rank, dp.size, self.device, config.dp_timeout_s,
                                            dp.address)
             self.ep = ExpertParallel(dp.rank, dp.size, self.device, group, meta_group, config.async_dp_coordination)
-        self.model = load_model(config.model, self.spec, self.dtype, self.device, self.max_model_len, experts)
-        for module in self.model.modules():
-            if isinstance(module, MoEBlock):
-                module.ep = self.ep
+        self.model = load_model(config.model, self.spec, self.dtype, self.device, self.max_model_len, experts,
+                                self.ep)
         fits = kernels.fit(self.device, self.dtype, self.spec.num_heads // self.spec.num_kv_heads,
                            self.spec.head_dim, self.block_size)
         self.kernels = kernels.load() if fits else None
         if self.kernels is not None:
             self.model.use_cpu_kernels(self.kernels, pack_linears=self.dtype == torch.bfloat16)
-        self.num_blocks = config.num_kv_blocks or self._size_cache(config)
-        if self.num_blocks * self.block_size < self.max_model_len:
-            raise ValueError(
-                f"the KV cache ({self.num_blocks} blocks of {self.block_size}) cannot hold one sequence of "
-                f"max_model_len={self.max_model_len}; raise kv_cache_gib / num_kv_blocks or lower max_model_len"
-            )
+        self.num_blocks = kv_cache.num_blocks(config, self.spec, self.max_model_len, self._gpu_budget(config))
         self._allocate_cache()
         self.sampler = Sampler(self.device, config.seed)
 
-    def _bytes_per_block(self) -> int:
-        per_token = 2 * self.spec.num_kv_heads * self.spec.head_dim * self.dtype.itemsize
-        return per_token * self.block_size * self.spec.num_layers
+    def label(self) -> str:
+        return f"{self.spec.architecture} in {str(self.dtype).removeprefix('torch.')} on {self.device}"
 
-    def _blocks_for(self, gib: float) -> int:
-        return max(1, int(gib * 2**30) // self._bytes_per_block())
+    def generator(self, seed: int) -> torch.Generator:
+        """A per-request sampling generator."""
+        return torch.Generator(device=self.device).manual_seed(seed)
 
-    def _size_cache(self, config: EngineConfig) -> int:
-        """KV blocks: kv_cache_gib of memory, or on CUDA with gpu_memory_utilization, what fills
-        that fraction of the GPU once the weights (already loaded) and the activations of the
-        largest step are set aside."""
+    def _gpu_budget(self, config: EngineConfig) -> int | None:
+        """On CUDA with gpu_memory_utilization: the bytes the KV cache may fill, that fraction of the
+        GPU once the weights (already loaded) and the activations of the largest step are set
+        aside. Otherwise None (kv_cache_gib sizes the cache)."""
         fraction = config.gpu_memory_utilization
         if fraction is None:
-            return self._blocks_for(config.kv_cache_gib)
+            return None
         if self.device.type != "cuda":
             log.warning("gpu_memory_utilization applies on CUDA; on CPU kv_cache_gib (%g GiB) sizes the KV cache",
                         config.kv_cache_gib)
-            return self._blocks_for(config.kv_cache_gib)
+            return None
         free, total = torch.cuda.mem_get_info(self.device)
         spec = self.spec
         # The largest step's activations: its hidden states, MLP input and output in float32
         # (a bound, not a measurement), and the sampled rows' float32 logits.
         width = 2 * spec.hidden_size + 3 * max(spec.intermediate_size, spec.moe_intermediate_size or 0)
         activations = config.max_num_batched_tokens * width * 4 + config.max_num_seqs * spec.vocab_size * 8
-        budget = fraction * total - (total - free) - activations
-        if budget < self._bytes_per_block():
+        budget = int(fraction * total - (total - free) - activations)
+        if budget < kv_cache.bytes_per_block(config, spec):
             raise ValueError(
                 f"gpu_memory_utilization={fraction} leaves no room for the KV cache: the GPU has "
                 f"{total / 2**30:.1f} GiB, {(total - free) / 2**30:.1f} GiB are in use (weights, other processes) "
                 f"and a step needs ~{activations / 2**30:.1f} GiB; raise it, or lower max_num_batched_tokens")
-        return int(budget) // self._bytes_per_block()
+        return budget
 
     def _allocate_cache(self) -> None:
         for attention in self.model.attention_layers():

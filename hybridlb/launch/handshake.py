@@ -22,8 +22,8 @@ import uuid
 
 import zmq
 
+from hybridlb.checkpoint.path import resolve
 from hybridlb.config import Config
-from hybridlb.model.checkpoint import resolve
 from hybridlb.protocol import (
     HANDSHAKE_LIMIT,
     ClusterReady,
@@ -191,11 +191,14 @@ class HeadHandshake(threading.Thread):
         if own.token and not hmac.compare_digest(node.token.encode(), own.token.encode()):
             return "wrong cluster token; give every node the same --cluster-token / HYBRIDLB_CLUSTER_TOKEN"
         if node.size != own.size:
-            return f"this node says data-parallel size {node.size} but the head runs {own.size}; use the same --data-parallel-size"
+            return (f"this node says data-parallel size {node.size} but the head runs {own.size}; "
+                    "use the same --data-parallel-size")
         if node.model_fingerprint != own.model_fingerprint:
-            return "the model differs from the head's (config.json does not match); serve the same checkpoint everywhere"
+            return ("the model differs from the head's (config.json does not match); "
+                    "serve the same checkpoint everywhere")
         if node.config_hash != own.config_hash:
-            return "engine settings differ from the head's (dtype, max_model_len, block size, model name, ...); use the same config on every node"
+            return ("engine settings differ from the head's (dtype, max_model_len, block size, model name, ...); "
+                    "use the same config on every node")
         last = node.start_rank + node.size_local - 1
         if node.start_rank < 0 or node.size_local < 1 or last >= own.size:
             return f"ranks {node.start_rank}..{last} are not within 0..{own.size - 1} (data-parallel size {own.size})"
@@ -207,7 +210,8 @@ class HeadHandshake(threading.Thread):
                 continue
             taken = ranks & set(range(other.start_rank, other.start_rank + other.size_local))
             if taken:
-                return f"rank(s) {sorted(taken)} are already run by {other.hostname or 'the head'}; pick another --data-parallel-start-rank"
+                return (f"rank(s) {sorted(taken)} are already run by {other.hostname or 'the head'}; "
+                        "pick another --data-parallel-start-rank")
         return None
 
     def _check_barrier(self) -> None:
@@ -241,7 +245,8 @@ class NodeLink:
         self.socket = self.context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         # One identity for this process's life: after a reconnect the head still knows who we are.
-        self.socket.setsockopt(zmq.IDENTITY, f"node-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}".encode())
+        identity = f"node-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.socket.setsockopt(zmq.IDENTITY, identity.encode())
         connect_securely(self.socket, self.head, cluster_token(dp.cluster_token))
         self.transport = self.socket.get_monitor_socket(HANDSHAKE_FAILED)
         self.socket.connect(self.head)

@@ -87,7 +87,7 @@ def pod_memory_gib(config: Config, size_local: int, headless: bool) -> float:
     """A pod's memory request: each engine holds the weights in its serving dtype (``auto``
     counts as float32 on CPU, where it depends on the node's CPU), plus on CPU its KV cache,
     plus a fixed overhead; an API server adds its own. Reads the model's config here."""
-    from hybridlb.model.spec import load_spec
+    from hybridlb.checkpoint.spec import load_spec
 
     engine = config.engine
     wide = engine.dtype == "float32" or (engine.dtype == "auto" and engine.device == "cpu")

@@ -1,8 +1,9 @@
 """The Ray actors of ``hybridlb up``: thin shells that run the same components as
-``hybridlb serve`` (EngineServer, the FastAPI app, Coordinator) in a thread of the actor
+``hybridlb serve`` (EngineShell, the FastAPI app, Coordinator) in a thread of the actor
 process, speaking the same wire protocol. Each binds its sockets itself and reports the
-addresses it got, so ports never collide. Classes are named for their role and have a
-``__repr__`` with role, rank and node, which the Ray dashboard shows.
+addresses it got, so ports never collide. Classes are named for their role
+(``CoordinatorActor``, ``EngineActor``, ``ApiServerActor``) and have a ``__repr__`` with
+role, rank and node, which the Ray dashboard shows.
 
 Heavy imports happen inside the actors, so an API server actor never imports torch.
 """
@@ -55,18 +56,35 @@ def free_ports(count: int, host: str | None = None) -> tuple[str, list[int]]:
             s.close()
 
 
+class _ThreadedActor:
+    """What every actor shares: its component (the coordinator loop, an engine shell, an HTTP
+    server; anything with ``stop()``) runs in a thread of the actor process."""
+
+    def _run(self, component, target, name: str) -> None:
+        self.component = component
+        self.thread = threading.Thread(target=target, name=name, daemon=True)
+        self.thread.start()
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def stop(self) -> None:
+        """Ask the component to stop (closing its sockets) and wait a little for it."""
+        self.component.stop()
+        self.thread.join(5)
+
+
 @ray.remote
-class Coordinator:
+class CoordinatorActor(_ThreadedActor):
     def __init__(self, cluster: str, size: int, lockstep: bool, ip: str, ports: list[int], token: str | None):
         """``ports``: stats in, loads out, waves out, rendezvous (from ``free_ports``)."""
-        from hybridlb.coordinator import Coordinator as CoordinatorLoop
+        from hybridlb.coordinator import Coordinator
 
         stats, loads, waves, rendezvous = (f"tcp://{ip}:{port}" for port in ports)
-        self.loop = CoordinatorLoop(stats, loads, size, waves if lockstep else None, token)
+        self.loop = Coordinator(stats, loads, size, waves if lockstep else None, token)
         self.cluster, self.size = cluster, size
         self.rendezvous = rendezvous if lockstep else None  # rank 0's torch.distributed store listens here
-        self.thread = threading.Thread(target=self.loop.run, name="coordinator", daemon=True)
-        self.thread.start()
+        self._run(self.loop, self.loop.run, "coordinator")
 
     def addresses(self) -> dict:
         import zmq
@@ -82,16 +100,12 @@ class Coordinator:
 
         return msgspec.to_builtins(self.loop.snapshot)
 
-    def stop(self) -> None:
-        self.loop.stopping = True
-        self.thread.join(3)
-
     def __repr__(self) -> str:
         return f"coordinator cluster={self.cluster} ranks={self.size}"
 
 
 @ray.remote
-class Engine:
+class EngineActor(_ThreadedActor):
     def __init__(self, cluster: str, config, dp, node: int, port: int | None, threads: int,
                  host: str | None = None, cores=None):
         """``port``: listen there on ``host`` (default: the node's IP; API servers on other nodes
@@ -100,8 +114,8 @@ class Engine:
         the runtime directory (which only this node knows)."""
         import dataclasses
 
-        from hybridlb.engine.process import EngineServer, prepare_process
-        from hybridlb.engine.simulated import make_core
+        from hybridlb.engine.core import make_core
+        from hybridlb.engine.shell import EngineShell, prepare_process
 
         prepare_process(config, threads)
         if cores is not None:
@@ -109,48 +123,40 @@ class Engine:
         self.rank, self.node, self.cluster = dp.rank, node, cluster
         address = (f"tcp://{host or _node_ip()}:{port}" if port
                    else f"ipc://{_runtime_dir(cluster)}/engine-{dp.rank}")
-        self.server = EngineServer(make_core(config, dp), address, cores)  # engine.simulate: no model
-        self.thread = threading.Thread(target=self._serve, name="engine", daemon=True)
-        self.thread.start()
+        self.shell = EngineShell(make_core(config, dp), address, cores)  # engine.simulate: no model
+        self._run(self.shell, self._serve, "engine")
 
     def _serve(self) -> None:
         try:
-            self.server.serve_forever()
+            self.shell.serve_forever()
         except Exception as exc:  # e.g. the expert-parallel group broke: let Ray see this actor die
             logging.getLogger(__name__).error("engine %d failed: %s; exiting the actor", self.rank, exc)
             os._exit(1)
 
     def address(self) -> str:
-        import zmq
-
-        return self.server.io.router.getsockopt_string(zmq.LAST_ENDPOINT)
+        return self.shell.address
 
     def stats(self) -> dict:
         import msgspec
 
-        stats = self.server.last_stats or self.server.core.stats()
-        return {**msgspec.to_builtins(stats), "alive": self.thread.is_alive()}
-
-    def node_id(self) -> str:
-        return ray.get_runtime_context().get_node_id()
-
-    def stop(self) -> None:
-        self.server.stop()
-        self.thread.join(5)
+        return {**msgspec.to_builtins(self.shell.latest_stats()), "alive": self.thread.is_alive()}
 
     def __repr__(self) -> str:
         return f"engine rank={self.rank} node={self.node} cluster={self.cluster}"
 
 
 @ray.remote
-class ApiServer:
+class ApiServerActor(_ThreadedActor):
     def __init__(self, cluster: str, config, spec, host: str, port: int, shared_port: bool):
+        import dataclasses
+
+        from hybridlb.api.http_server import listen, make_server, use_shared_metrics
+
         if shared_port:  # one /metrics for the node's API servers, whichever answers (as in serve)
-            metrics = os.path.join(_runtime_dir(cluster), f"metrics-node{spec.node}")
-            os.makedirs(metrics, mode=0o700, exist_ok=True)
-            os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics  # before prometheus_client is imported
+            metrics_dir = os.path.join(_runtime_dir(cluster), f"metrics-node{spec.node}")
+            spec = dataclasses.replace(spec, metrics_dir=metrics_dir)
+        use_shared_metrics(spec.metrics_dir)
         from hybridlb.api.app import create_app
-        from hybridlb.api.server import listen, make_server
         from hybridlb.launch.ray_metrics import RayMetricsMirror
 
         self.cluster, self.spec, self.port = cluster, spec, port
@@ -159,22 +165,14 @@ class ApiServer:
         app = create_app(config, spec, on_ready=self.ready_event.set, observer=self.mirror)
         self.sock = listen(host, port, shared_port)
         self.host = _node_ip() if host in ("0.0.0.0", "::") else host
-        self.server = make_server(app, config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-        self.thread.start()
+        server = make_server(app, config)
+        self._run(server, lambda: server.run(sockets=[self.sock]), "api")
 
     def wait_ready(self, timeout_s: float) -> bool:
         return self.ready_event.wait(timeout_s)
 
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
-
-    def node_id(self) -> str:
-        return ray.get_runtime_context().get_node_id()
-
-    def stop(self) -> None:
-        self.server.stop()
-        self.thread.join(5)
 
     def __repr__(self) -> str:
         return f"api {self.spec.name} node={self.spec.node} ranks={[r for r, _ in self.spec.engines]}"

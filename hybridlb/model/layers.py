@@ -8,6 +8,7 @@ from the checkpoint's separate tensors.
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -165,6 +166,14 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
+class ExpertDispatch(Protocol):
+    """Runs a MoE block whose experts are sharded over the data-parallel ranks on every rank's
+    tokens (``hybridlb.engine.expert_parallel.ExpertParallel``): it calls the block's
+    ``route`` and ``run_experts`` on the gathered tokens and returns this rank's rows."""
+
+    def dispatch_combine(self, block: MoEBlock, x: torch.Tensor) -> torch.Tensor: ...
+
+
 class MoEBlock(nn.Module):
     """Top-k routed experts; holds the experts ``expert_range`` of all ``num_experts``.
 
@@ -173,7 +182,7 @@ class MoEBlock(nn.Module):
     """
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int,
-                 norm_topk_prob: bool, expert_range: range | None = None):
+                 norm_topk_prob: bool, expert_range: range | None = None, dispatch: ExpertDispatch | None = None):
         super().__init__()
         self.expert_range = expert_range or range(num_experts)
         local = len(self.expert_range)
@@ -183,7 +192,7 @@ class MoEBlock(nn.Module):
         self.num_experts = num_experts
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
-        self.ep = None  # ExpertParallel when the experts are sharded over the data-parallel ranks
+        self.dispatch = dispatch  # experts sharded over the data-parallel ranks: who runs every rank's tokens
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert ids [T, k] and their weights [T, k] (in x's dtype) for each token."""
@@ -194,8 +203,8 @@ class MoEBlock(nn.Module):
         return experts, weights.to(x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.ep is not None:
-            return self.ep.dispatch_combine(self, x)
+        if self.dispatch is not None:
+            return self.dispatch.dispatch_combine(self, x)
         experts, weights = self.route(x)
         return self.run_experts(x, experts, weights)
 

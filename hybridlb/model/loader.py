@@ -4,7 +4,7 @@
 tensors (by Hugging Face name) fill it and the shape each must have; the loader checks
 every tensor against that before copying, so a bad checkpoint fails with the file,
 tensor and shape named. Tensors of any stored dtype (float32, bfloat16, float16, or
-GGUF types dequantized by ``gguf_file``) are converted to the engine's dtype on copy.
+GGUF types dequantized by ``gguf_tensors``) are converted to the engine's dtype on copy.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from hybridlb.model.checkpoint import CheckpointError, resolve
-from hybridlb.model.layers import RotaryEmbedding
-from hybridlb.model.spec import ModelSpec
+from hybridlb.checkpoint.path import CheckpointError, resolve
+from hybridlb.checkpoint.spec import ModelSpec
+from hybridlb.model.layers import ExpertDispatch, RotaryEmbedding
 from hybridlb.model.transformer import CausalLM
 
 
@@ -155,17 +155,18 @@ def tensor_reader(model: str | Path):
     """A reader of the checkpoint's tensors by Hugging Face name: safetensors or GGUF."""
     checkpoint = resolve(model)
     if checkpoint.is_gguf:
-        from hybridlb.model.gguf_file import GGUFTensorReader
+        from hybridlb.model.gguf_tensors import GGUFTensorReader
 
         return GGUFTensorReader(checkpoint.path)
     return SafetensorsReader(checkpoint.path)
 
 
 def load_model(model: str | Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
-               max_positions: int, experts: range | None = None) -> CausalLM:
-    """Build CausalLM on ``device`` and fill every parameter from the checkpoint."""
+               max_positions: int, experts: range | None = None, dispatch: ExpertDispatch | None = None) -> CausalLM:
+    """Build CausalLM on ``device`` and fill every parameter from the checkpoint (``experts`` and
+    ``dispatch``: see CausalLM)."""
     with torch.device("meta"):
-        lm = CausalLM(spec, max_positions, experts)
+        lm = CausalLM(spec, max_positions, experts, dispatch)
     lm = lm.to_empty(device=device).to(dtype)
     # to_empty materialises each module's parameters separately, which unties a tied lm_head.
     lm.tie_weights()

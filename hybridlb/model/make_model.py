@@ -20,8 +20,8 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from hybridlb.checkpoint.spec import parse_spec
 from hybridlb.model.loader import checkpoint_layout
-from hybridlb.model.spec import parse_spec
 
 ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),

@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hybridlb.checkpoint.spec import ModelSpec
 from hybridlb.model.attention import AttentionBatch, PagedAttention
 from hybridlb.model.kernels import CPUKernels
-from hybridlb.model.layers import DenseMLP, MoEBlock, PackedLinear, RMSNorm, RotaryEmbedding
-from hybridlb.model.spec import ModelSpec
+from hybridlb.model.layers import DenseMLP, ExpertDispatch, MoEBlock, PackedLinear, RMSNorm, RotaryEmbedding
 
 
 class SelfAttention(nn.Module):
@@ -49,7 +49,8 @@ class SelfAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, layer: int, rotary: RotaryEmbedding, expert_range: range | None):
+    def __init__(self, spec: ModelSpec, layer: int, rotary: RotaryEmbedding, expert_range: range | None,
+                 dispatch: ExpertDispatch | None):
         super().__init__()
         self.input_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.self_attn = SelfAttention(spec, rotary)
@@ -57,7 +58,7 @@ class DecoderLayer(nn.Module):
         if spec.is_moe_layer(layer):
             self.mlp = MoEBlock(
                 spec.hidden_size, spec.moe_intermediate_size, spec.num_experts,
-                spec.num_experts_per_tok, spec.norm_topk_prob, expert_range,
+                spec.num_experts_per_tok, spec.norm_topk_prob, expert_range, dispatch,
             )
         else:
             self.mlp = DenseMLP(spec.hidden_size, spec.intermediate_size)
@@ -78,13 +79,16 @@ class DecoderLayer(nn.Module):
 class CausalLM(nn.Module):
     """Token ids in, hidden states out; ``logits`` projects only the rows that sample."""
 
-    def __init__(self, spec: ModelSpec, max_positions: int, expert_range: range | None = None):
+    def __init__(self, spec: ModelSpec, max_positions: int, expert_range: range | None = None,
+                 dispatch: ExpertDispatch | None = None):
+        """``expert_range``: the experts this rank holds; ``dispatch``: how their MoE layers reach the
+        other ranks' (None: every expert is here)."""
         super().__init__()
         self.spec = spec
         rotary = RotaryEmbedding(spec.head_dim, max_positions, spec.rope)
         self.embed = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(spec, i, rotary, expert_range) for i in range(spec.num_layers)
+            DecoderLayer(spec, i, rotary, expert_range, dispatch) for i in range(spec.num_layers)
         )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)

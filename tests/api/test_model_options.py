@@ -12,12 +12,13 @@ import pytest
 
 from hybridlb import LLM, SamplingParams
 from hybridlb.api.schemas import CompletionRequest
-from hybridlb.model.checkpoint import CheckpointError
-from hybridlb.model.generation_config import sampling_defaults
+from hybridlb.checkpoint.generation_config import sampling_defaults
+from hybridlb.checkpoint.path import CheckpointError
 from tests.servers import start_server
 
 TEMPLATE = "{% if messages[0].content == 'boom' %}{{ raise_exception('no explosions here') }}{% endif %}" \
-           "{% if tools %}[{{ tools | length }} tools] {% endif %}{% if greeting is defined %}{{ greeting }} {% endif %}" \
+           "{% if tools %}[{{ tools | length }} tools] {% endif %}" \
+           "{% if greeting is defined %}{{ greeting }} {% endif %}" \
            "Q: {{ messages[-1].content }}\nA:"
 
 
@@ -55,7 +56,7 @@ def test_unset_sampling_fields_take_the_models_defaults(server, greedy_by_defaul
 
 
 def test_chat_uses_the_template_given_on_the_command_line(server, greedy_by_default):
-    from hybridlb.model.tokenizer import Tokenizer
+    from hybridlb.checkpoint.tokenizer import Tokenizer
 
     response = _post(server, "chat/completions", {"messages": [{"role": "user", "content": "Hello"}],
                                                    "max_tokens": 2})

@@ -10,7 +10,7 @@ import pytest
 
 LISTEN_AND_REPORT = (
     "import resource\n"
-    "from hybridlb.api.server import listen\n"
+    "from hybridlb.api.http_server import listen\n"
     "sock = listen('127.0.0.1', 0, False)\n"
     "print(resource.getrlimit(resource.RLIMIT_NOFILE)[0])\n"
 )

@@ -10,11 +10,11 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from hybridlb.api.app import ApiServerSpec
-from hybridlb.api.server import run_api_server
+from hybridlb.api.context import ApiServerSpec
+from hybridlb.api.http_server import run_api_server
 from hybridlb.config import ApiConfig, Config, EngineConfig
 from hybridlb.engine.client import EngineClient
-from hybridlb.engine.launch import EngineProcess, start_engine, stop_engines, wait_until_ready
+from hybridlb.engine.spawn import EngineProcess, start_engine, stop_engines, wait_until_ready
 from tests.chaos.wire import ChaosProxy
 from tests.servers import free_port
 

@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from hybridlb import LLM, SamplingParams
+from hybridlb.checkpoint.tokenizer import Tokenizer
 from hybridlb.engine.client import EngineClient
-from hybridlb.model.tokenizer import Tokenizer
 from tests.conftest import PROMPTS, hf_greedy
 from tests.dp.test_clusters import _dp_flags, burst, served_per_engine
 from tests.servers import Server, free_port_range, start_servers

@@ -13,7 +13,7 @@ import httpx
 import ray
 from ray.util.state import list_actors
 
-from hybridlb.launch.ray_up import status
+from hybridlb.launch.ray_driver import status
 from tests.dp.test_clusters import burst
 from tests.faults.streams import Streams
 from tests.ray.conftest import NODE_RESOURCES

@@ -9,7 +9,7 @@ import pytest
 import ray
 
 from hybridlb.config import parse_config
-from hybridlb.launch.ray_up import RayCluster, UpError, down, status, up
+from hybridlb.launch.ray_driver import RayCluster, UpError, down, status, up
 from hybridlb.plan import plan_cluster
 from tests.dp.test_clusters import burst, served_per_engine
 from tests.ray.conftest import NODE_RESOURCES

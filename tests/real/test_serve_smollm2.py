@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 
-from hybridlb.api.status import describe
+from hybridlb.cli.server_status import server_status as describe
 from tests.api.test_load import metric
 from tests.conftest import PROMPTS, REAL_NEW_TOKENS, reference_greedy
 
@@ -119,7 +119,8 @@ def test_chat_logprobs_are_the_sampled_tokens_and_their_alternatives(client, smo
     args = dict(model="smollm2", messages=CAPITAL, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3)
     if stream:
         chunks = list(client.chat.completions.create(stream=True, **args))
-        content = [entry for c in chunks if c.choices and c.choices[0].logprobs for entry in c.choices[0].logprobs.content]
+        content = [entry for c in chunks if c.choices and c.choices[0].logprobs
+                   for entry in c.choices[0].logprobs.content]
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content
     else:

@@ -11,7 +11,7 @@ import pytest
 from safetensors import safe_open
 
 from hybridlb import LLM, SamplingParams
-from hybridlb.model.tokenizer import Tokenizer
+from hybridlb.checkpoint.tokenizer import Tokenizer
 from tests.conftest import PROMPTS, REAL_NEW_TOKENS, SMOLLM2, reference_greedy
 
 GREEDY = SamplingParams(max_tokens=REAL_NEW_TOKENS, temperature=0, ignore_eos=True)

@@ -11,7 +11,9 @@ import time
 import httpx
 import pytest
 
-from hybridlb.api.app import OPEN_PATHS, ApiServerSpec, create_app
+from hybridlb.api.app import create_app
+from hybridlb.api.context import ApiServerSpec
+from hybridlb.api.guard import OPEN_PATHS
 from hybridlb.config import parse_config
 from tests.security.listeners import assert_loopback_only
 from tests.servers import start_server

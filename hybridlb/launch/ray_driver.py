@@ -25,12 +25,18 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from hybridlb import lifecycle
-from hybridlb.api.app import ApiServerSpec
+from hybridlb.api.context import ApiServerSpec
+from hybridlb.checkpoint.spec import CheckpointError, load_spec
 from hybridlb.config import Config
 from hybridlb.engine.dp_context import DPContext
-from hybridlb.engine.launch import node_core_share
-from hybridlb.launch.ray_actors import ApiServer, Coordinator, Engine, free_ports, remove_runtime_dir
-from hybridlb.model.spec import CheckpointError, load_spec
+from hybridlb.engine.spawn import node_core_share
+from hybridlb.launch.ray_actors import (
+    ApiServerActor,
+    CoordinatorActor,
+    EngineActor,
+    free_ports,
+    remove_runtime_dir,
+)
 from hybridlb.plan import ClusterPlan, NodePlan
 from hybridlb.transport import cluster_token
 
@@ -148,7 +154,7 @@ class RayCluster:
             log.warning("no cluster token: the coordinator listens on %s, beyond loopback, and any host that "
                         "reaches it can inject load stats; set data_parallel.cluster_token", ip)
         options = self._options("coordinator", num_cpus=0, max_restarts=self.restarts)
-        self.coordinator = Coordinator.options(**options).remote(self.name, self.plan.size, self.plan.lockstep,
+        self.coordinator = CoordinatorActor.options(**options).remote(self.name, self.plan.size, self.plan.lockstep,
                                                                  ip, ports, self.token)
         return ray.get(self.coordinator.addresses.remote(), timeout=60)
 
@@ -165,7 +171,7 @@ class RayCluster:
                 options = self._options("engine", rank, node.index, num_cpus=cfg.ray.cpus_per_engine,
                                         num_gpus=self.placement.gpus, max_restarts=self.restarts)
                 port = self.plan.engine_port(rank) if self.plan.remote_engines else None
-                self.engines[rank] = Engine.options(**options).remote(self.name, cfg.engine, dp, node.index, port,
+                self.engines[rank] = EngineActor.options(**options).remote(self.name, cfg.engine, dp, node.index, port,
                                                                       threads, self.host, share)
 
     def _start_api_servers(self, addresses: dict[int, str], loads: str | None) -> None:
@@ -176,7 +182,7 @@ class RayCluster:
                                      self.plan.mode, loads, self.config.lb.policy, self.token)
                 options = self._options("api", api.name.split(":", 1)[1], node.index,
                                         num_cpus=self.config.ray.cpus_per_api_server, max_restarts=self.restarts)
-                actor = ApiServer.options(**options).remote(self.name, self.config, spec, api.host, api.port,
+                actor = ApiServerActor.options(**options).remote(self.name, self.config, spec, api.host, api.port,
                                                             ports.count(api.port) > 1)
                 self.apis.append((node, actor))
 

@@ -1,56 +1,27 @@
-"""GGUF checkpoints: architecture, weights and tokenizer read from one llama.cpp file.
+"""GGUF checkpoints without torch: architecture, tokenizer and sampling defaults read from
+one llama.cpp file's metadata (the weights: ``hybridlb.model.gguf_tensors``).
 
 The ``gguf`` package parses the file and dequantizes every tensor type it knows (F32,
-F16, BF16, Q8_0, Q4_0, Q4_1, the K-quants, ...) to float32 at load; nothing here
-decodes the format by hand. What this module adds is the mapping to the Hugging Face
-names the rest of the model package uses:
+F16, BF16, Q8_0, Q4_0, Q4_1, the K-quants, ...) to float32; nothing here decodes the
+format by hand. What this module adds is the mapping to what a Hugging Face checkpoint
+says:
 
 * metadata keys (``llama.block_count``, ...) → a ``config.json``-shaped dict;
-* tensor names (``blk.3.attn_q.weight``) → checkpoint names
-  (``model.layers.3.self_attn.q_proj.weight``), undoing the row permutation llama.cpp's
-  converter applies to the q/k projections of llama models;
 * ``tokenizer.ggml.*`` → a ``tokenizers`` byte-level BPE, the chat template and eos ids.
 """
 
 from __future__ import annotations
 
-import re
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hybridlb.model.checkpoint import CheckpointError
-
-if TYPE_CHECKING:  # API servers and simulated engines read GGUF metadata without loading torch
-    import torch
+from hybridlb.checkpoint.path import CheckpointError
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
-
-_LAYER_TENSORS = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_GLOBAL_TENSORS = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
 
 # Pre-tokenizer split patterns by ``tokenizer.ggml.pre``; any other byte-level file splits
 # like GPT-2 (SmolLM, StarCoder, GPT-2 itself), as transformers does.
@@ -98,7 +69,7 @@ def _rope(path: Path, arch: str) -> dict:
         raise CheckpointError(f"{path}: GGUF rope scaling {scaling!r} is not supported; supported: linear, yarn")
     if "rope_freqs.weight" in tensor_names(path):
         # Llama 3.1+: llama.cpp stores the llama3 per-frequency divisors as a tensor.
-        rope["freq_factors"] = _dequantized(path, "rope_freqs.weight").tolist()
+        rope["freq_factors"] = dequantized(path, "rope_freqs.weight").tolist()
     return rope
 
 
@@ -144,20 +115,7 @@ def tensor_names(path: Path) -> dict[str, int]:
     return {tensor.name: i for i, tensor in enumerate(reader(path).tensors)}
 
 
-def checkpoint_names(path: Path) -> dict[str, str]:
-    """Hugging Face tensor name → GGUF tensor name, for every tensor the file holds."""
-    names = {}
-    for name in tensor_names(path):
-        if name in _GLOBAL_TENSORS:
-            names[_GLOBAL_TENSORS[name]] = name
-        elif match := re.fullmatch(r"blk\.(\d+)\.(.+)", name):
-            layer, rest = match.groups()
-            if rest in _LAYER_TENSORS:
-                names[f"model.layers.{layer}.{_LAYER_TENSORS[rest]}"] = name
-    return names
-
-
-def _dequantized(path: Path, name: str) -> np.ndarray:
+def dequantized(path: Path, name: str) -> np.ndarray:
     from gguf.quants import dequantize
 
     tensor = reader(path).tensors[tensor_names(path)[name]]
@@ -166,54 +124,6 @@ def _dequantized(path: Path, name: str) -> np.ndarray:
     except NotImplementedError:
         raise CheckpointError(f"{path}: tensor {name} has type {tensor.tensor_type.name}, "
                               "which the gguf package cannot dequantize") from None
-
-
-class GGUFTensorReader:
-    """Reads tensors of a GGUF file by their Hugging Face names (see loader.TensorReader)."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.names = checkpoint_names(path)
-        config = gguf_config(path)
-        self.permute = config["model_type"] == "llama"
-        self.heads, self.kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.names
-
-    def read(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        gguf_name = self.names.get(name)
-        if gguf_name is None:
-            raise CheckpointError(f"{self.path}: tensor {name} (GGUF {_gguf_name(name)}, shape {list(shape)}) "
-                                  "is missing")
-        import torch
-
-        array = _dequantized(self.path, gguf_name)
-        if tuple(array.shape) != shape:
-            raise CheckpointError(f"{self.path}: tensor {gguf_name} has shape {list(array.shape)}, "
-                                  f"expected {list(shape)}")
-        tensor = torch.from_numpy(np.array(array))  # a copy: the file is mapped read-only
-        if self.permute and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
-            tensor = _unpermute(tensor, self.heads if "attn_q" in gguf_name else self.kv_heads)
-        return tensor
-
-
-_HF_GLOBAL = {hf: name for name, hf in _GLOBAL_TENSORS.items()}
-_HF_LAYER = {hf: name for name, hf in _LAYER_TENSORS.items()}
-
-
-def _gguf_name(hf_name: str) -> str:
-    """The GGUF name a checkpoint tensor would have (for error messages)."""
-    if hf_name in _HF_GLOBAL:
-        return _HF_GLOBAL[hf_name]
-    match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", hf_name)
-    return f"blk.{match.group(1)}.{_HF_LAYER.get(match.group(2), '?')}" if match else "?"
-
-
-def _unpermute(weight: torch.Tensor, heads: int) -> torch.Tensor:
-    """Undo llama.cpp's q/k row order (interleaved rotary pairs) back to rotate-half order."""
-    rows = weight.shape[0]
-    return weight.reshape(heads, rows // heads // 2, 2, -1).transpose(1, 2).reshape(weight.shape)
 
 
 def _byte_alphabet() -> dict[int, str]:

@@ -8,12 +8,13 @@ SentencePiece's strip a leading space at the start of a string, so the context k
 that space where it belongs).
 
 Stop strings: text that could still turn out to start a stop string is held back until
-it cannot; when one matches, the text ends just before it.
+it cannot; when one matches, the text ends just before it. ``take`` is what a front end
+calls with each engine output (the API server's request runner and the offline ``LLM``).
 """
 
 from __future__ import annotations
 
-from hybridlb.model.tokenizer import Tokenizer
+from hybridlb.checkpoint.tokenizer import Tokenizer
 
 _PROMPT_CONTEXT = 6
 _REPLACEMENT = "\ufffd"
@@ -60,6 +61,17 @@ class IncrementalDetokenizer:
         self._advance()
         safe = len(self.text) if self.stop_string is not None else len(self.text) - self.hold
         return self._emit(max(safe, self.emitted))
+
+    def take(self, new_ids: list[int], finish_reason: str | None) -> tuple[str, str | None]:
+        """One engine output: (the text now safe to emit, the request's finish reason). A matched
+        stop string finishes it with "stop" (the front end aborts it in the engine); when the
+        engine finished it, the text held back comes out too."""
+        text = self.push(new_ids)
+        if self.stopped:
+            return text, "stop"
+        if finish_reason is not None:
+            text += self.finish()
+        return text, finish_reason
 
     def finish(self) -> str:
         """The request ended: flush whatever text is still held back."""

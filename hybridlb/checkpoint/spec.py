@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hybridlb.model.checkpoint import CheckpointError, resolve
+from hybridlb.checkpoint.path import CheckpointError, resolve
 
 DENSE_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -209,7 +209,7 @@ def load_spec(model: str | Path) -> ModelSpec:
     """The spec of a model argument: ``config.json`` of a directory, or a GGUF file's metadata."""
     checkpoint = resolve(model)
     if checkpoint.is_gguf:
-        from hybridlb.model.gguf_file import gguf_config
+        from hybridlb.checkpoint.gguf import gguf_config
 
         return parse_spec(gguf_config(checkpoint.path), checkpoint.path)
     path = checkpoint.path / "config.json"

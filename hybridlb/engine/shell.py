@@ -1,4 +1,4 @@
-"""The engine process: a thin ZMQ shell around EngineCore.
+"""The engine process: ``EngineShell``, a thin ZMQ shell around EngineCore.
 
 Threads:
 * the I/O thread (``hybridlb.engine.io_thread``) owns the sockets front ends and the
@@ -19,6 +19,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
@@ -26,19 +27,16 @@ import zmq
 from hybridlb import lifecycle
 from hybridlb.config import EngineConfig
 from hybridlb.engine.block_manager import Removed
-from hybridlb.engine.core import EngineCore
+from hybridlb.engine.core import EngineCore, make_core
 from hybridlb.engine.core_share import CoreShare, SharedCores
 from hybridlb.engine.dp_context import DPContext
 from hybridlb.engine.io_thread import IO_FAILED, IOThread
 from hybridlb.engine.kv_events import KVEventPublisher
 from hybridlb.engine.lockstep import Lockstep
-from hybridlb.engine.simulated import make_core
 from hybridlb.protocol import (
     AbortRequests,
     AddRequest,
     EngineOutputs,
-    EngineReady,
-    EngineStats,
     Hello,
     RequestOutput,
     StartWave,
@@ -46,6 +44,9 @@ from hybridlb.protocol import (
     engine_input_limit,
 )
 from hybridlb.transport import connect_securely
+
+if TYPE_CHECKING:
+    from hybridlb.protocol import EngineReady, EngineStats
 
 log = logging.getLogger(__name__)
 _STOP = object()
@@ -66,13 +67,13 @@ class _Route:
         self.by_client.setdefault(identity, []).append(output)
 
 
-class EngineServer:
+class EngineShell:
     def __init__(self, core: EngineCore, address: str, cores: SharedCores | None = None):
         """``cores``: the node's cores this engine shares with its siblings (real engines only)."""
         self.core = core
         self.cores = CoreShare(cores) if cores is not None and core.config.simulate is None else None
         dp = core.dp
-        self.lockstep = Lockstep(core) if core.runner.ep is not None else None
+        self.lockstep = Lockstep(core) if core.expert_parallel is not None else None
         self.context = zmq.Context()
         self.coordinator = None
         if dp.coordinator_stats is not None:
@@ -99,13 +100,12 @@ class EngineServer:
         self.last_beat = 0.0  # when stats last went to the coordinator
         self.last_client_beat = 0.0  # when every front end last got a message
         self.stopping = False
-        core.blocks.record_events = core.blocks.caching
         self.kv_events = None
         events = core.config.kv_events
-        if events is not None and events.enabled and core.blocks.caching:
-            self.kv_events = KVEventPublisher(events, self.context, dp.rank, core.blocks.block_size,
+        if events is not None and events.enabled and core.prefix_caching:
+            self.kv_events = KVEventPublisher(events, self.context, dp.rank, core.block_size,
                                               core.config.device.upper())
-            core.blocks.record_stored = True
+        core.enable_cache_events(stored=self.kv_events is not None)
 
     def stop(self) -> None:
         """Signal-safe: ask the busy loop to exit.
@@ -208,15 +208,16 @@ class EngineServer:
                         identity.decode(errors="replace"), why)
 
     def _ready(self) -> EngineReady:
-        core = self.core
-        return EngineReady(
-            rank=core.rank, model=core.config.model, max_model_len=core.max_model_len,
-            vocab_size=core.vocab_size, num_kv_blocks=core.blocks.num_blocks,
-            block_size=core.blocks.block_size, eos_token_ids=sorted(core.eos_token_ids),
-            dp_group=_in_dp_group(), simulated=core.config.simulate is not None,
-            prefix_caching=core.blocks.caching, block_hash_seed=core.blocks.seed,
-            max_queued_requests=core.config.max_queued_requests,
-        )
+        return self.core.ready_message(dp_group=_in_dp_group())
+
+    @property
+    def address(self) -> str:
+        """Where front ends reach this engine (the bound endpoint: a port 0 resolved)."""
+        return self.io.endpoint
+
+    def latest_stats(self) -> EngineStats:
+        """The stats last published, or the core's own before any was."""
+        return self.last_stats or self.core.stats()
 
     def _route_output(self, route: _Route, output: RequestOutput) -> None:
         identity = self.owners.get(output.request_id)
@@ -252,7 +253,7 @@ class EngineServer:
 
     def _cache_events(self) -> list[int]:
         """Publish this step's KV-cache events (if configured); return the evicted hashes."""
-        events = self.core.blocks.take_events()
+        events = self.core.take_cache_events()
         if self.kv_events is not None:
             if events:
                 self.kv_events.publish(events)
@@ -319,19 +320,19 @@ def run_engine(config: EngineConfig, dp: DPContext, address: str, torch_threads:
     lifecycle.die_with_parent()
     prepare_process(config, torch_threads)
     try:
-        server = EngineServer(make_core(config, dp), address, cores)
+        shell = EngineShell(make_core(config, dp), address, cores)
     except Exception as exc:
         log.error("engine %d failed to start: %s", dp.rank, exc)
         if errors is not None:
             errors.send(f"{type(exc).__name__}: {exc}")
         raise SystemExit(1) from None
-    lifecycle.on_terminate(server.stop)
-    log.info("engine %d serving at %s (%d KV blocks%s)", dp.rank, address, server.core.blocks.num_blocks,
-             ", experts sharded, lockstep" if server.lockstep else "")
+    lifecycle.on_terminate(shell.stop)
+    log.info("engine %d serving at %s (%d KV blocks%s)", dp.rank, address, shell.core.num_kv_blocks,
+             ", experts sharded, lockstep" if shell.lockstep else "")
     if config.simulate is not None:
-        log.warning("engine %d is a %s: its speed says nothing about the model", dp.rank, server.core.describe())
+        log.warning("engine %d is a %s: its speed says nothing about the model", dp.rank, shell.core.label())
     try:
-        server.serve_forever()
+        shell.serve_forever()
     except EngineFailed as exc:
         log.error("engine %d: %s; exiting", dp.rank, exc)
         raise SystemExit(1) from None

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from hybridlb.cli_common import build_config, fail, plan_of
+from hybridlb.cli.options import build_config, fail, plan_of
 
 render_app = typer.Typer(no_args_is_help=True, help="Render the cluster for other platforms.")
 
@@ -17,7 +17,8 @@ def render_k8s(
     config: Annotated[Path, typer.Argument(help="YAML config: the whole cluster (data_parallel.nodes), or one "
                                                  "node of it (size and size_local), repeated.")],
     image: Annotated[str | None, typer.Option(
-        help="Container image with hybridlb (default hybridlb:cpu or hybridlb:cuda, as the Dockerfile builds them).")] = None,
+        help="Container image with hybridlb (default hybridlb:cpu or hybridlb:cuda, as the Dockerfile builds "
+             "them).")] = None,
     model_pvc: Annotated[str | None, typer.Option(
         help="PersistentVolumeClaim holding the model, mounted where engine.model points.")] = None,
     model_host_path: Annotated[str | None, typer.Option(
@@ -29,8 +30,8 @@ def render_k8s(
 ):
     """A LeaderWorkerSet manifest: one pod per node running `hybridlb serve`, a Service per node.
     Without --model-pvc / --model-host-path the model must be inside the image."""
+    from hybridlb.checkpoint.spec import CheckpointError
     from hybridlb.launch.k8s import PodOptions, RenderError, render, whole_cluster
-    from hybridlb.model.spec import CheckpointError
 
     try:
         cfg = whole_cluster(build_config(config, None, {}))

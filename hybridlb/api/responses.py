@@ -1,28 +1,28 @@
-"""/v1/completions and /v1/chat/completions: validate, tokenize, generate, respond.
+"""/v1/completions and /v1/chat/completions, second half: run a ``Job``'s sequences and
+answer, whole or streamed.
 
-A request becomes one engine request per prompt. Non-streamed responses are gathered
-while watching for the client to disconnect; streamed ones are SSE chunks ending with
-``data: [DONE]``. Either way, a client that goes away aborts its engine requests.
+A Job becomes one engine request per prompt and candidate. Non-streamed responses are
+gathered while watching for the client to disconnect; streamed ones are SSE chunks
+ending with ``data: [DONE]``. Either way, a client that goes away aborts its engine
+requests. What turns a sequence's text into a response's fields (``_choice``: the text,
+its log-probabilities; a tool-call or reasoning parser would split it into
+``tool_calls`` / ``reasoning_content`` here) is shared by both shapes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
-import uuid
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from hybridlb.api.admission import SCOPE_KEY
+from hybridlb.api.context import ApiContext
 from hybridlb.api.errors import APIError
-from hybridlb.api.frontend import Frontend
-from hybridlb.api.schemas import MAX_PROMPTS, ChatCompletionRequest, CompletionRequest, _Sampling
+from hybridlb.api.jobs import Job
 from hybridlb.protocol import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -32,8 +32,6 @@ _json = msgspec.json.Encoder()
 _LINE_BREAKS = ((b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"))
 
 RANK_HEADER = "x-data-parallel-rank"
-INLINE_BODY_BYTES = 16 * 2**10  # smaller bodies are tokenized on the event loop (a thread hop costs more)
-_preparer = ThreadPoolExecutor(1, thread_name_prefix="prepare")  # one at a time: the GIL serializes them anyway
 
 
 def _event(body) -> bytes:
@@ -43,23 +41,6 @@ def _event(body) -> bytes:
         if raw in data:
             data = data.replace(raw, escaped)
     return b"data: " + data + b"\n\n"
-
-
-@dataclass
-class Job:
-    """Everything one HTTP request resolved to before generation starts."""
-
-    kind: str  # "text_completion" or "chat.completion"
-    id: str
-    model: str
-    prompts: list[list[int]]
-    params: list[SamplingParams]
-    include_usage: bool
-    logprobs: bool = False  # whether choices show log-probabilities
-    echo: list[str] | None = None  # completions with echo: each prompt's text, shown before its output
-    n: int = 1  # choices per prompt
-    candidates: int = 1  # sequences generated per prompt (best_of); the n most likely are returned
-    created: int = field(default_factory=lambda: int(time.time()))
 
 
 @dataclass
@@ -91,81 +72,19 @@ def _pinned_rank(request: Request) -> int | None:
                        param="X-data-parallel-rank") from None
 
 
-def _token_ids(frontend: Frontend, prompt: str | list[int]) -> list[int]:
-    if isinstance(prompt, str):
-        ids = frontend.tokenizer.encode(prompt)
-    else:
-        vocab = frontend.tokenizer.vocab_size
-        if any(not 0 <= t < vocab for t in prompt):
-            raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
-        ids = list(prompt)
-    if not ids:
-        raise APIError(400, "the prompt is empty", param="prompt")
-    return ids
-
-
-def _params(frontend: Frontend, body: _Sampling, ids: list[int], requested: int | None) -> SamplingParams:
-    limit = frontend.max_model_len
-    room = limit - len(ids)
-    if room < 1 or (requested is not None and requested > room):
-        wanted = f" plus max_tokens={requested}" if requested is not None else ""
-        raise APIError(400, f"the prompt has {len(ids)} tokens{wanted}, more than max_model_len={limit}; "
-                            "shorten the prompt or lower max_tokens", param="max_tokens")
-    return body.sampling_params(requested, frontend.sampling_defaults)
-
-
-def completion_job(frontend: Frontend, body: CompletionRequest) -> Job:
-    body.check_supported()
-    texts = body.prompts()
-    if len(texts) * body.candidates > MAX_PROMPTS:
-        raise APIError(400, f"prompts x {'best_of' if body.best_of else 'n'} is {len(texts) * body.candidates}; "
-                            f"at most {MAX_PROMPTS} sequences in one request", param="n")
-    prompts = [_token_ids(frontend, p) for p in texts]
-    params = [_params(frontend, body, ids, body.max_tokens) for ids in prompts]
-    echo = [t if isinstance(t, str) else frontend.tokenizer.decode(t) for t in texts] if body.echo else None
-    return Job("text_completion", f"cmpl-{uuid.uuid4().hex}", body.model, prompts, params, body.include_usage,
-               body.wants_logprobs, echo, body.choices, body.candidates)
-
-
-def chat_job(frontend: Frontend, body: ChatCompletionRequest) -> Job:
-    body.check_supported()
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    try:
-        text = frontend.tokenizer.apply_chat_template(messages, **body.template_arguments())
-    except Exception as exc:
-        raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from None
-    ids = frontend.tokenizer.encode(text, add_special_tokens=False)
-    params = _params(frontend, body, ids, body.requested_max_tokens)
-    return Job("chat.completion", f"chatcmpl-{uuid.uuid4().hex}", body.model, [ids], [params], body.include_usage,
-               body.wants_logprobs, n=body.choices, candidates=body.candidates)
-
-
-async def prepare(request: Request, make_job, frontend: Frontend, body) -> Job:
-    """``make_job(frontend, body)``: tokenizing and templating a large body runs off the event
-    loop, so other requests' tokens keep streaming meanwhile."""
-    size = request.headers.get("content-length", "")
-    if size.isdigit() and int(size) <= INLINE_BODY_BYTES:
-        return make_job(frontend, body)
-    return await asyncio.get_running_loop().run_in_executor(_preparer, make_job, frontend, body)
-
-
-async def respond(request: Request, frontend: Frontend, job: Job, stream: bool) -> Response:
+async def respond(request: Request, ctx: ApiContext, job: Job, stream: bool) -> Response:
     rank = _pinned_rank(request)
-    frontend.check_rank(rank)
-    if not any(engine.alive for engine in frontend.engines):
+    ctx.pool.check_rank(rank)
+    if not any(engine.alive for engine in ctx.pool.engines):
         raise APIError(503, "no engine is available on this node")
-    count = len(job.prompts) * job.candidates
-    frontend.slots.check_size(count)
-    if count > 1 and SCOPE_KEY in request.scope:  # the first slot was taken with the request
-        frontend.slots.take(count - 1)
-        request.scope[SCOPE_KEY] += count - 1
+    ctx.slots.hold(request.scope, len(job.prompts) * job.candidates)
     # Sequence s is candidate s % candidates of prompt s // candidates.
-    streams = [frontend.generate(f"{job.id}-{i}-{c}", ids, _candidate(params, c), rank)
+    streams = [ctx.runner.generate(f"{job.id}-{i}-{c}", ids, _candidate(params, c), rank)
                for i, (ids, params) in enumerate(zip(job.prompts, job.params, strict=True))
                for c in range(job.candidates)]
     if stream:
-        return StreamingResponse(_sse(frontend, job, streams), media_type="text/event-stream")
-    result = await _unless_disconnected(request, _collect(frontend, job, streams))
+        return StreamingResponse(_sse(ctx, job, streams), media_type="text/event-stream")
+    result = await _unless_disconnected(request, _collect(ctx, job, streams))
     return JSONResponse(result) if result is not None else Response(status_code=499)
 
 
@@ -187,7 +106,7 @@ def _best(job: Job, results: list[Choice]) -> list[Choice]:
     return kept
 
 
-async def _collect(frontend: Frontend, job: Job, streams: list[AsyncIterator]) -> dict:
+async def _collect(ctx: ApiContext, job: Job, streams: list[AsyncIterator]) -> dict:
     async def one(index: int, stream: AsyncIterator) -> Choice:
         choice = Choice()
         async for delta in stream:
@@ -204,7 +123,7 @@ async def _collect(frontend: Frontend, job: Job, streams: list[AsyncIterator]) -
             task.cancel()
     completion = sum(result.num_tokens for result in results)  # every sequence generated counts
     results = _best(job, results)
-    choices = [_choice(frontend, job, index, result, 0) for index, result in enumerate(results)]
+    choices = [_choice(ctx, job, index, result, 0) for index, result in enumerate(results)]
     if job.kind == "chat.completion":
         for choice in choices:
             choice["message"] = {"role": "assistant", "content": choice.pop("text")}
@@ -222,14 +141,14 @@ def _prepend_prompt(job: Job, index: int, choice: Choice, delta) -> None:
         choice.logprobs += delta.prompt_logprobs or [None] * len(job.prompts[index])
 
 
-def _choice(frontend: Frontend, job: Job, index: int, choice: Choice, offset: int) -> dict:
+def _choice(ctx: ApiContext, job: Job, index: int, choice: Choice, offset: int) -> dict:
     """The choice object (``text`` holds its text in either API) with its log-probabilities."""
     text = "".join(choice.text)
     logprobs = None
     if job.logprobs and job.kind == "chat.completion":
-        logprobs = frontend.logprob_format.chat(choice.logprobs)
+        logprobs = ctx.logprob_format.chat(choice.logprobs)
     elif job.logprobs:
-        logprobs = frontend.logprob_format.completion(choice.token_ids, choice.logprobs, offset)
+        logprobs = ctx.logprob_format.completion(choice.token_ids, choice.logprobs, offset)
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason}
 
 
@@ -269,10 +188,10 @@ def _chunk(job: Job, choice: dict, first: bool) -> bytes:
     return _event(body)
 
 
-async def _sse(frontend: Frontend, job: Job, streams: list[AsyncIterator]) -> AsyncIterator[bytes]:
+async def _sse(ctx: ApiContext, job: Job, streams: list[AsyncIterator]) -> AsyncIterator[bytes]:
     """The SSE body; a failure while writing it ends the stream with an error event, never silently."""
     try:
-        async for event in _events(frontend, job, streams):
+        async for event in _events(ctx, job, streams):
             yield event
     except Exception as exc:
         log.exception("streaming response %s failed", job.id)
@@ -326,7 +245,7 @@ async def _merged(job: Job, streams: list[AsyncIterator]) -> AsyncIterator[tuple
             task.cancel()
 
 
-async def _events(frontend: Frontend, job: Job, streams: list[AsyncIterator]) -> AsyncIterator[bytes]:
+async def _events(ctx: ApiContext, job: Job, streams: list[AsyncIterator]) -> AsyncIterator[bytes]:
     # Per choice: what is not sent yet (tokens whose text is still incomplete), characters
     # sent so far (the completions text_offset), and whether anything was sent.
     pending = [Choice() for _ in streams]
@@ -344,7 +263,7 @@ async def _events(frontend: Frontend, job: Job, streams: list[AsyncIterator]) ->
         choice.add(item)
         text = "".join(choice.text)
         if text or item.finish_reason:  # a role-only or empty chunk would read as a first token
-            body = _choice(frontend, job, index, choice, offsets[index])
+            body = _choice(ctx, job, index, choice, offsets[index])
             yield _chunk(job, body, first=not started[index])
             started[index], offsets[index], pending[index] = True, offsets[index] + len(text), Choice()
     if job.include_usage:

@@ -1,9 +1,11 @@
-"""Entry point of an API server process (``hybridlb:api:<node>``)."""
+"""Entry point of an API server process (``hybridlb:api:<node>``): the listening socket, the
+uvicorn server and its orderly stop. The application itself is ``hybridlb.api.app``."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import socket
 import threading
@@ -12,7 +14,7 @@ from multiprocessing.synchronize import Event
 import uvicorn
 
 from hybridlb import lifecycle
-from hybridlb.api.app import ApiServerSpec, create_app
+from hybridlb.api.context import ApiServerSpec
 from hybridlb.config import Config
 
 
@@ -70,6 +72,15 @@ class _Server(uvicorn.Server):
         self.stop()
 
 
+def use_shared_metrics(directory: str | None) -> None:
+    """Keep this process's metrics in ``directory``, shared with the node's other API server
+    processes (``ApiServerSpec.metrics_dir``). The metrics library reads this once, when it is
+    first imported: call it before ``hybridlb.api.app`` is."""
+    if directory is not None:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory
+
+
 def make_server(app, config: Config) -> _Server:
     """The HTTP server of one API server, for ``serve``'s processes and Ray's actors alike."""
     return _Server(uvicorn.Config(app, log_level=config.api.log_level, access_log=False, loop="uvloop",
@@ -84,6 +95,9 @@ def run_api_server(config: Config, spec: ApiServerSpec, host: str, port: int, sh
     lifecycle.set_title(title)
     lifecycle.configure_logging(title)
     lifecycle.die_with_parent()
+    use_shared_metrics(spec.metrics_dir)
+    from hybridlb.api.app import create_app
+
     sock = listen(host, port, shared_port)
     app = create_app(config, spec, on_ready=ready.set if ready is not None else None)
     make_server(app, config).run(sockets=[sock])

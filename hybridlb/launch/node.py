@@ -41,12 +41,12 @@ import time
 from multiprocessing.connection import wait
 
 from hybridlb import lifecycle
-from hybridlb.api.app import ApiServerSpec
-from hybridlb.api.server import run_api_server
+from hybridlb.api.context import ApiServerSpec
+from hybridlb.api.http_server import run_api_server
 from hybridlb.config import Config
 from hybridlb.coordinator import run_coordinator
 from hybridlb.engine.dp_context import DPContext
-from hybridlb.engine.launch import (
+from hybridlb.engine.spawn import (
     EngineProcess,
     EngineStartError,
     default_torch_threads,
@@ -179,13 +179,11 @@ class Node:
     def _start_api_servers(self, addresses: dict[int, str], loads: str | None, timeout_s: float) -> None:
         events = []
         ports = [api.port for api in self.node.api_servers]
-        if len(ports) > len(set(ports)):  # shared port: one /metrics for all of them
-            metrics_dir = os.path.join(self.runtime_dir, "metrics")
-            os.makedirs(metrics_dir, exist_ok=True)
-            os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+        # A shared port: one /metrics for all of them (see ApiServerSpec.metrics_dir).
+        metrics_dir = os.path.join(self.runtime_dir, "metrics") if len(ports) > len(set(ports)) else None
         for api in self.node.api_servers:
             spec = ApiServerSpec(tuple((rank, addresses[rank]) for rank in api.ranks), api.name, self.node.index,
-                                 self.plan.mode, loads, self.config.lb.policy, self.token)
+                                 self.plan.mode, loads, self.config.lb.policy, self.token, metrics_dir)
             ready = _spawn.Event()
             self.api_args.append((self.config, spec, api.host, api.port, ports.count(api.port) > 1))
             process = self._spawn_api(len(self.apis), ready)
@@ -297,7 +295,7 @@ class Node:
         shutil.rmtree(self.runtime_dir, ignore_errors=True)
 
 
-def _describe(node: NodePlan) -> str:
+def _ready_line(node: NodePlan) -> str:
     ranks = f"rank{'s' if len(node.ranks) > 1 else ''} {node.ranks[0]}" + (
         f"..{node.ranks[-1]}" if len(node.ranks) > 1 else "")
     if node.headless:
@@ -323,7 +321,7 @@ def serve(config: Config, plan: ClusterPlan, node: NodePlan) -> int:
     try:
         runner.start()
         simulated = ", SIMULATED engines: no model runs" if config.engine.simulate is not None else ""
-        print(f"hybridlb is ready: {_describe(node)} (model {config.served_model_name!r}{simulated})", flush=True)
+        print(f"hybridlb is ready: {_ready_line(node)} (model {config.served_model_name!r}{simulated})", flush=True)
         code = runner.wait()
         if runner.exit_reason:
             log.error("%s", runner.exit_reason)

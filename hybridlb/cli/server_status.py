@@ -9,7 +9,7 @@ class StatusError(RuntimeError):
     """No hybridlb API server answered at the URL."""
 
 
-def describe(url: str, api_key: str | None = None) -> tuple[str, bool]:
+def server_status(url: str, api_key: str | None = None) -> tuple[str, bool]:
     """A table of the server's engines and its problems; and whether /health says it can serve."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hybridlb.model.checkpoint import CheckpointError, resolve
-from hybridlb.model.tokenizer import read_json
+from hybridlb.checkpoint.path import CheckpointError, resolve
+from hybridlb.checkpoint.tokenizer import read_json
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")  # also SamplingParams fields
 
@@ -24,7 +24,7 @@ def sampling_defaults(model: str | Path, setting: str = "auto") -> dict[str, flo
     if setting == "auto":
         checkpoint = resolve(model)
         if checkpoint.is_gguf:
-            from hybridlb.model.gguf_file import gguf_sampling_defaults
+            from hybridlb.checkpoint.gguf import gguf_sampling_defaults
 
             return gguf_sampling_defaults(checkpoint.path)
         path = checkpoint.path / "generation_config.json"

@@ -248,7 +248,7 @@ def bench_serve(args: BenchArgs) -> dict:
     vocab_size, decode = 1000, None
     tokenizer_dir = args.tokenizer or args.model
     try:
-        from hybridlb.model.tokenizer import Tokenizer
+        from hybridlb.checkpoint.tokenizer import Tokenizer
 
         tokenizer = Tokenizer(tokenizer_dir)
         vocab_size, decode = tokenizer.vocab_size, tokenizer.decode

@@ -18,7 +18,7 @@ from jinja2 import TemplateError, nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from hybridlb.model.checkpoint import CheckpointError
+from hybridlb.checkpoint.path import CheckpointError
 
 
 class _GenerationTag(Extension):

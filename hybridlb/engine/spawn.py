@@ -12,7 +12,7 @@ from hybridlb.config import EngineConfig
 from hybridlb.engine.client import EngineClient
 from hybridlb.engine.core_share import SharedCores, shared_cores
 from hybridlb.engine.dp_context import DPContext
-from hybridlb.engine.process import run_engine
+from hybridlb.engine.shell import run_engine
 from hybridlb.protocol import EngineReady
 
 _spawn = multiprocessing.get_context("spawn")

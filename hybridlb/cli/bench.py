@@ -1,4 +1,4 @@
-"""``hybridlb bench …``: benchmark clients."""
+"""``hybridlb bench …``: benchmark clients (``hybridlb.bench``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from hybridlb.cli_common import fail as _fail
+from hybridlb.cli.options import fail
 
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmark clients.")
 
@@ -30,12 +30,12 @@ def bench_serve_command(
     save_result: Annotated[Path | None, typer.Option(help="Write the results as JSON here.")] = None,
 ):
     """Load an OpenAI-compatible server and print TTFT / TPOT / ITL / throughput."""
-    from hybridlb.bench.serve import BenchArgs, BenchError, bench_serve
+    from hybridlb.bench.client import BenchArgs, BenchError, bench_serve
 
     if dataset_name != "random":
-        _fail(f"dataset {dataset_name!r} is not supported; use --dataset-name random")
+        fail(f"dataset {dataset_name!r} is not supported; use --dataset-name random")
     if prompt_format not in ("ids", "text"):
-        _fail("--prompt-format must be ids or text")
+        fail("--prompt-format must be ids or text")
     args = BenchArgs(
         base_url=base_url.rstrip("/"), model=model, tokenizer=tokenizer, dataset_name=dataset_name,
         random_input_len=random_input_len, random_output_len=random_output_len, num_prompts=num_prompts,
@@ -45,5 +45,5 @@ def bench_serve_command(
     try:
         summary = bench_serve(args)
     except BenchError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     raise typer.Exit(0 if summary["completed"] else 1)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as RustTokenizer
 
-from hybridlb.model.chat_template import ChatTemplate, checkpoint_template
-from hybridlb.model.checkpoint import CheckpointError, resolve
+from hybridlb.checkpoint.chat_template import ChatTemplate, checkpoint_template
+from hybridlb.checkpoint.path import CheckpointError, resolve
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 
@@ -38,7 +38,7 @@ def read_eos_token_ids(model: str | Path) -> list[int]:
     """End-of-sequence ids from generation_config.json, else config.json, else the GGUF metadata."""
     checkpoint = resolve(model)
     if checkpoint.is_gguf:
-        from hybridlb.model.gguf_file import gguf_eos_token_ids
+        from hybridlb.checkpoint.gguf import gguf_eos_token_ids
 
         return gguf_eos_token_ids(checkpoint.path)
     for name in ("generation_config.json", "config.json"):
@@ -68,7 +68,7 @@ class Tokenizer:
     def __init__(self, model: str | Path, chat_template: str | None = None):
         checkpoint = resolve(model)
         if checkpoint.is_gguf:
-            from hybridlb.model.gguf_file import gguf_tokenizer
+            from hybridlb.checkpoint.gguf import gguf_tokenizer
 
             self._tok, self.config = gguf_tokenizer(checkpoint.path)
         else:

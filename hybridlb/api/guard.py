@@ -1,0 +1,66 @@
+"""What every HTTP request passes before any route sees it: the API key, the body size
+limit, and the first slot of the concurrency limit (``hybridlb.api.admission``)."""
+
+from __future__ import annotations
+
+import hmac
+
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from hybridlb.api.admission import Slots
+from hybridlb.api.errors import APIError, error_response
+
+# Probes, scrapers and upstream balancers: no API key, and never refused for load.
+OPEN_PATHS = frozenset({"/health", "/ping", "/load", "/metrics", "/version"})
+
+
+class RequestGuard:
+    """ASGI middleware: the API key on every path but ``OPEN_PATHS`` (so a new route is
+    guarded by default), the request body size limit, and the first slot of the concurrency
+    limit (``Slots``: a request takes the rest once its body says how many sequences it has)."""
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int, slots: Slots):
+        self.app, self.api_key, self.max_body_bytes, self.slots = app, api_key, max_body_bytes, slots
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if scope["path"] in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self._unauthorized(headers.get(b"authorization", b"")):
+            error = APIError(401, "missing or wrong API key; send 'Authorization: Bearer <key>'",
+                             code="invalid_api_key")
+            return await error_response(error)(scope, receive, send)
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            return await self._too_large(scope, receive, send)
+        try:
+            self.slots.admit(scope)
+        except APIError as busy:
+            return await error_response(busy)(scope, receive, send)
+        received = 0
+
+        async def counted():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_body_bytes:  # no Content-Length (chunked): stop reading here
+                raise StarletteHTTPException(413, self._too_large_message())
+            return message
+
+        try:
+            return await self.app(scope, counted, send)
+        finally:
+            self.slots.release(scope)
+
+    def _unauthorized(self, authorization: bytes) -> bool:
+        if not self.api_key:
+            return False
+        return not hmac.compare_digest(authorization, f"Bearer {self.api_key}".encode())
+
+    def _too_large_message(self) -> str:
+        return f"request body larger than {self.max_body_bytes} bytes (api.max_body_bytes)"
+
+    async def _too_large(self, scope, receive, send):
+        return await error_response(APIError(413, self._too_large_message()))(scope, receive, send)

@@ -1,0 +1,78 @@
+"""``hybridlb up / status / down``: a cluster placed on Ray (``hybridlb.launch.ray_driver``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from hybridlb.cli.options import build_config, check_model_options, ensure_checkpoint, fail, plan_of
+from hybridlb.config import Config
+
+
+def _whole_cluster(config: Path, overrides: dict) -> tuple[Config, object]:
+    cfg = build_config(config, None, overrides)
+    ensure_checkpoint(cfg.engine)
+    plan, _ = plan_of(cfg)
+    return cfg, plan
+
+
+def up(
+    config: Annotated[Path, typer.Argument(help="YAML config describing the whole cluster.")],
+    address: Annotated[str | None, typer.Option(help="Ray cluster: 'auto' or HOST:PORT (default: start one).")] = None,
+    detach: Annotated[bool, typer.Option(help="Leave the cluster running after this command exits.")] = False,
+    name: Annotated[str | None, typer.Option(help="Cluster name (default: ray.name, 'default').")] = None,
+):
+    """Place the cluster on Ray: per node an API server and its engines, one coordinator."""
+    from hybridlb.launch.ray_driver import UpError
+    from hybridlb.launch.ray_driver import up as ray_up
+
+    cfg, plan = _whole_cluster(config, {"ray": dict(address=address, name=name)})
+    check_model_options(cfg)
+    try:
+        code = ray_up(cfg, plan, detach)
+    except UpError as exc:
+        fail(str(exc))
+    raise typer.Exit(code)
+
+
+def status(
+    name: Annotated[str, typer.Argument(help="Cluster name given to `hybridlb up`.")] = "default",
+    address: Annotated[str | None, typer.Option(help="Ray cluster address (default: auto).")] = None,
+    namespace: Annotated[str, typer.Option()] = "hybridlb",
+    url: Annotated[str | None, typer.Option(
+        help="Ask a running API server instead (any launcher): http://HOST:PORT.")] = None,
+    api_key: Annotated[str | None, typer.Option(envvar="HYBRIDLB_API_KEY", help="With --url: its API key.")] = None,
+):
+    """Every actor of a cluster started with `hybridlb up`: state, node and load (or, with
+    --url, what one API server sees: its engines, the coordinator, lost ranks)."""
+    if url is not None:
+        from hybridlb.cli.server_status import StatusError, server_status
+
+        try:
+            text, healthy = server_status(url.rstrip("/"), api_key)
+        except StatusError as exc:
+            fail(str(exc))
+        typer.echo(text)
+        raise typer.Exit(0 if healthy else 1)
+    from hybridlb.launch.ray_driver import status as ray_status
+
+    rows = ray_status(name, address, namespace)
+    if not rows:
+        fail(f"no cluster named {name!r} in namespace {namespace!r}")
+    typer.echo(f"{'actor':<36}{'state':<12}{'node':<14}load")
+    for row in rows:
+        typer.echo(f"{row['name']:<36}{row['state']:<12}{row['node']:<14}{row['load']}")
+
+
+def down(
+    name: Annotated[str, typer.Argument(help="Cluster name given to `hybridlb up`.")] = "default",
+    address: Annotated[str | None, typer.Option(help="Ray cluster address (default: auto).")] = None,
+    namespace: Annotated[str, typer.Option()] = "hybridlb",
+):
+    """Stop every actor of a cluster and release its placement group."""
+    from hybridlb.launch.ray_driver import down as ray_down
+
+    if ray_down(name, address, namespace):
+        fail(f"no cluster named {name!r} in namespace {namespace!r}")

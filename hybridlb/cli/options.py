@@ -1,0 +1,186 @@
+"""What the commands share: option declarations (each declared once), the error exit, and
+the Config built from ``--config`` plus flags, with its cluster plan and checkpoint checks."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from hybridlb.config import Config, ConfigError, EngineConfig, load_config, parse_config
+
+# --help lists the flags vLLM also has (same name and meaning) apart from hybridlb's own.
+VLLM_FLAGS = "Flags with vLLM's names and meaning (its short forms and underscores work too)"
+MODEL_HELP = "Checkpoint: a Hugging Face directory, a .gguf file, or package:DIST/PATH."
+
+
+def fail(message: str) -> None:
+    """Print ``error: message`` in red and exit 2."""
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(2)
+
+
+def vllm_option(*names: str, help: str | None = None) -> typer.models.OptionInfo:
+    """An option vLLM also has, with its name and meaning (listed under VLLM_FLAGS in --help)."""
+    return typer.Option(*names, help=help, rich_help_panel=VLLM_FLAGS)
+
+
+def _option(*names: str, help: str, vllm: bool = True) -> typer.models.OptionInfo:
+    return vllm_option(*names, help=help) if vllm else typer.Option(*names, help=help)
+
+
+# The data-parallel layout of the cluster and this node's part in it: ``serve`` and ``plan``
+# take these (``with_options``), as data_parallel.* / lb.* overrides.
+PARALLEL = {
+    "data_parallel_size": Annotated[int | None, _option("--data-parallel-size", "-dp",
+                                                        help="Ranks in the whole cluster.")],
+    "data_parallel_size_local": Annotated[int | None, _option("--data-parallel-size-local",
+                                                              help="Ranks on this node.")],
+    "data_parallel_start_rank": Annotated[int | None, _option("--data-parallel-start-rank",
+                                                              help="This node's first rank.")],
+    "data_parallel_rank": Annotated[int | None, _option("--data-parallel-rank",
+                                                        help="External LB: serve only this rank.")],
+    "data_parallel_address": Annotated[str | None, _option("--data-parallel-address", help="The head node's address.")],
+    "data_parallel_rpc_port": Annotated[int | None, _option("--data-parallel-rpc-port",
+                                                            help="The head's handshake port.")],
+    "data_parallel_node_address": Annotated[str | None, _option(
+        "--data-parallel-node-address", help="This node's address for other nodes (internal LB).")],
+    "headless": Annotated[bool | None, _option("--headless/--no-headless", help="Engines only, no API server.")],
+    "lb_mode": Annotated[str | None, _option("--lb-mode", help="hybrid (default), internal or external.", vllm=False)],
+    "api_servers_per_node": Annotated[str | None, _option("--api-servers-per-node", help="N or auto.", vllm=False)],
+}
+# Field of the config section each PARALLEL flag sets.
+_PARALLEL_FIELDS = {
+    "data_parallel_size": ("data_parallel", "size"), "data_parallel_size_local": ("data_parallel", "size_local"),
+    "data_parallel_start_rank": ("data_parallel", "start_rank"), "data_parallel_rank": ("data_parallel", "rank"),
+    "data_parallel_address": ("data_parallel", "address"), "data_parallel_rpc_port": ("data_parallel", "rpc_port"),
+    "data_parallel_node_address": ("data_parallel", "node_address"), "headless": ("data_parallel", "headless"),
+    "lb_mode": ("lb", "mode"), "api_servers_per_node": ("lb", "api_servers_per_node"),
+}
+EXPERT_PARALLEL = Annotated[bool | None, _option("--enable-expert-parallel/--no-enable-expert-parallel",
+                                                 help="MoE: shard experts over the DP ranks.")]
+
+
+def with_options(options: dict[str, Any], into: str):
+    """A command also takes ``options`` (parameter name → its Annotated type; all default to
+    None) and receives their values as one dict, its parameter ``into``."""
+
+    def decorate(command):
+        signature = inspect.signature(command, eval_str=True)
+        own = [p for p in signature.parameters.values() if p.name != into]
+        added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=kind)
+                 for name, kind in options.items()]
+
+        @functools.wraps(command)
+        def wrapper(*args, **kwargs):
+            values = {name: kwargs.pop(name, None) for name in options}
+            return command(*args, **kwargs, **{into: values})
+
+        wrapper.__signature__ = signature.replace(parameters=[*own, *added])
+        return wrapper
+
+    return decorate
+
+
+def parallel_overrides(flags: dict[str, Any]) -> dict[str, dict]:
+    """Config overrides (section → fields) from the PARALLEL flags' values."""
+    sections: dict[str, dict] = {"data_parallel": {}, "lb": {}}
+    for name, value in flags.items():
+        section, field = _PARALLEL_FIELDS[name]
+        sections[section][field] = value
+    servers = sections["lb"].get("api_servers_per_node")
+    if servers not in (None, "auto"):
+        if not servers.isdigit():
+            fail(f"--api-servers-per-node takes a number or 'auto', got {servers!r}")
+        sections["lb"]["api_servers_per_node"] = int(servers)
+    return sections
+
+
+def served_names(names: list[str] | None) -> str | list[str] | None:
+    """api.served_model_name from the --served-model-name flags (None: not given)."""
+    return names[0] if names and len(names) == 1 else names or None
+
+
+def json_flag(name: str, text: str | None) -> dict | None:
+    """A flag whose value is a JSON object (vLLM's --kv-events-config), or None if not given."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        fail(f"{name} is not valid JSON ({exc}); give an object, e.g. '{{\"enable_kv_cache_events\": true}}'")
+    if not isinstance(value, dict):
+        fail(f"{name} must be a JSON object, got {text!r}")
+    return value
+
+
+def build_config(config: Path | None, model: str | None, overrides: dict[str, dict]) -> Config:
+    """A Config from an optional YAML file, with ``--model`` and other flags on top.
+
+    ``overrides`` maps a section name to the flag values for it; None means not given.
+    """
+    try:
+        data = load_config(config).model_dump(exclude_unset=True) if config else {}
+    except ConfigError as exc:
+        fail(str(exc))
+    sections = {name: dict(data.get(name, {})) for name in overrides}
+    sections.setdefault("engine", dict(data.get("engine", {})))
+    if model is not None:
+        sections["engine"]["model"] = model
+        sections["engine"].pop("make_if_missing", None)
+    for name, values in overrides.items():
+        sections[name].update({k: v for k, v in values.items() if v is not None})
+    if "model" not in sections["engine"]:
+        fail("no model given: pass --model DIR|FILE.gguf or --config FILE.yaml (try configs/local.yaml)")
+    try:
+        return parse_config({**data, **sections}, str(config or "flags"))
+    except ConfigError as exc:
+        fail(str(exc))
+
+
+def plan_of(cfg: Config):
+    """The cluster plan and this node's part of it, or a clean exit listing every problem."""
+    from hybridlb.checkpoint.spec import CheckpointError, load_spec
+    from hybridlb.plan import PlanError, plan_cluster
+
+    try:
+        is_moe = load_spec(cfg.engine.model).is_moe
+    except CheckpointError:
+        is_moe = None  # `plan` may run where the checkpoint is not
+    try:
+        plan = plan_cluster(cfg, is_moe)
+    except PlanError as exc:
+        fail(str(exc))
+    start = cfg.data_parallel.rank if cfg.data_parallel.rank is not None else cfg.data_parallel.start_rank
+    node = next((n for n in plan.nodes if n.start_rank == start), plan.nodes[0])
+    return plan, node
+
+
+def ensure_checkpoint(engine: EngineConfig) -> None:
+    """Write the config's random checkpoint on first use, if it asks for one."""
+    if engine.make_if_missing is None or Path(engine.model).exists():
+        return
+    from hybridlb.model.make_model import make_model
+
+    spec = engine.make_if_missing
+    typer.echo(f"making a {spec.size} random-weight {spec.arch} checkpoint at {engine.model}", err=True)
+    make_model(spec.arch, spec.size, engine.model, seed=spec.seed)
+
+
+def check_model_options(cfg: Config) -> None:
+    """Fail before anything starts on a model, chat template or generation config that cannot load."""
+    from hybridlb.checkpoint.chat_template import read_template_argument
+    from hybridlb.checkpoint.generation_config import sampling_defaults
+    from hybridlb.checkpoint.path import CheckpointError, resolve
+
+    try:
+        resolve(cfg.engine.model)
+        if cfg.api.chat_template:
+            read_template_argument(cfg.api.chat_template)
+        sampling_defaults(cfg.engine.model, cfg.api.generation_config)
+    except CheckpointError as exc:
+        fail(str(exc))

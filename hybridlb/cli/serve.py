@@ -1,0 +1,160 @@
+"""``hybridlb serve`` (this node's process tree, no Ray) and ``hybridlb plan`` (the rank map)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from hybridlb.cli.options import (
+    EXPERT_PARALLEL,
+    MODEL_HELP,
+    PARALLEL,
+    build_config,
+    check_model_options,
+    ensure_checkpoint,
+    fail,
+    json_flag,
+    parallel_overrides,
+    plan_of,
+    served_names,
+    vllm_option,
+    with_options,
+)
+
+SERVE_HELP = (
+    "Serve the OpenAI API from this node: its engines and API servers, no Ray.\n\n"
+    "vLLM's spelling works too, e.g. `hybridlb serve MODEL -dp 4 -dpl 2 --data-parallel-hybrid-lb --max_model_len 32k "
+    "--dtype half`: the short forms -dp -dpl -dpr -dpn -dpa -dpp -dph -dpe -ep, underscores, "
+    "--data-parallel-hybrid-lb / --data-parallel-external-lb for --lb-mode, --api-server-count, k/K length suffixes, "
+    "several --served-model-name names, VLLM_API_KEY. A vLLM flag hybridlb does not implement is an error saying "
+    "what to do instead."
+)
+
+
+@with_options(PARALLEL, into="parallel")
+def serve(
+    model: Annotated[str | None, vllm_option(help=MODEL_HELP)] = None,
+    config: Annotated[Path | None, typer.Option(help="YAML config; flags override it.")] = None,
+    host: Annotated[str | None, vllm_option(help="HTTP interface (default 127.0.0.1).")] = None,
+    port: Annotated[int | None, vllm_option(help="HTTP port (default 8000).")] = None,
+    served_model_name: Annotated[list[str] | None, vllm_option(
+        help="Name clients use (default: --model as given); repeat it, or list several after it as vLLM does, "
+             "to answer to several.")] = None,
+    api_key: Annotated[str | None, vllm_option(help="Require 'Authorization: Bearer KEY' on /v1.")] = None,
+    max_concurrent_requests: Annotated[int | None, typer.Option(
+        help="Sequences (prompts x n) each API server works on at once; more get 429 (default 4096).")] = None,
+    request_timeout: Annotated[float | None, typer.Option(
+        help="Fail a request (504) its engine has said nothing about for this many seconds (default 300, "
+             "0: never).")] = None,
+    max_queued_requests: Annotated[int | None, typer.Option(
+        help="Requests one engine keeps waiting for a batch slot; beyond it, 429 (default 1024).")] = None,
+    chat_template: Annotated[str | None, vllm_option(
+        help="Chat template file (or text) replacing the model's own.")] = None,
+    generation_config: Annotated[str | None, vllm_option(
+        help="Sampling defaults: auto (the model's generation_config.json), vllm (none) or a directory.")] = None,
+    max_model_len: Annotated[int | None, vllm_option()] = None,
+    max_num_seqs: Annotated[int | None, vllm_option()] = None,
+    max_num_batched_tokens: Annotated[int | None, vllm_option()] = None,
+    kv_cache_gib: Annotated[float | None, typer.Option()] = None,
+    gpu_memory_utilization: Annotated[float | None, vllm_option(
+        help="CUDA: size the KV cache to fill this fraction of GPU memory (instead of --kv-cache-gib).")] = None,
+    block_size: Annotated[int | None, vllm_option()] = None,
+    enable_prefix_caching: Annotated[bool | None, vllm_option(
+        "--enable-prefix-caching/--no-enable-prefix-caching",
+        help="Reuse cached prompt prefixes (default on).")] = None,
+    kv_events_config: Annotated[str | None, vllm_option(
+        help="KV-cache events as JSON, vLLM's keys, e.g. '{\"enable_kv_cache_events\": true}'.")] = None,
+    device: Annotated[str | None, typer.Option(help="cpu or cuda.")] = None,
+    dtype: Annotated[str | None, vllm_option(help="auto, float32, bfloat16 or float16.")] = None,
+    seed: Annotated[int | None, vllm_option()] = None,
+    torch_threads: Annotated[int | None, typer.Option(help="Threads per engine (0: split the cores).")] = None,
+    share_cores: Annotated[bool | None, typer.Option(
+        "--share-cores/--no-share-cores",
+        help="An engine stepping while the node's others idle uses their cores too (default on).")] = None,
+    enable_expert_parallel: EXPERT_PARALLEL = None,
+    async_dp_coordination: Annotated[bool | None, typer.Option(
+        "--async-dp-coordination/--no-async-dp-coordination",
+        help="Expert parallel: overlap the per-step metadata exchange (default on).")] = None,
+    dp_timeout: Annotated[float | None, typer.Option(
+        help="Expert parallel: seconds before a collective a rank never joins fails the group (default 120).")] = None,
+    lb_policy: Annotated[str | None, typer.Option(help="cache_aware (default), least_loaded or round_robin.")] = None,
+    simulate_step_ms: Annotated[float | None, typer.Option(
+        help="SIMULATED engines for control-plane benchmarks: no model, each step sleeps this long.")] = None,
+    simulate_per_token_ms: Annotated[float | None, typer.Option(
+        help="With --simulate-step-ms: extra step time per token computed.")] = None,
+    cluster_token: Annotated[str | None, typer.Option(envvar="HYBRIDLB_CLUSTER_TOKEN",
+                                                      help="Shared secret for joining the cluster.")] = None,
+    restart_policy: Annotated[str | None, typer.Option(
+        help="none (default): report a dead part and serve on; restart: bring it back in place.")] = None,
+    dry_run: Annotated[bool, typer.Option(
+        "--dry-run", help="Check the command and print the cluster plan and this node's part; start nothing.")] = False,
+    parallel: dict[str, Any] | None = None,
+):
+    """Serve the OpenAI API from this node: its engines and API servers, no Ray (see SERVE_HELP)."""
+    from hybridlb.launch.node import serve as serve_node
+
+    layout = parallel_overrides(parallel)
+    layout["data_parallel"].update(cluster_token=cluster_token, restart_policy=restart_policy)
+    layout["lb"]["policy"] = lb_policy
+    cfg = build_config(config, model, {
+        "engine": dict(max_model_len=max_model_len, max_num_seqs=max_num_seqs, device=device, dtype=dtype,
+                       max_queued_requests=max_queued_requests,
+                       max_num_batched_tokens=max_num_batched_tokens, kv_cache_gib=kv_cache_gib,
+                       gpu_memory_utilization=gpu_memory_utilization,
+                       block_size=block_size, seed=seed, torch_threads=torch_threads,
+                       share_cores=share_cores, prefix_caching=enable_prefix_caching,
+                       kv_events=json_flag("--kv-events-config", kv_events_config),
+                       expert_parallel=enable_expert_parallel, async_dp_coordination=async_dp_coordination,
+                       dp_timeout_s=dp_timeout, simulate=_simulate_flags(simulate_step_ms, simulate_per_token_ms)),
+        "api": dict(host=host, port=port, served_model_name=served_names(served_model_name), api_key=api_key,
+                    max_concurrent_requests=max_concurrent_requests, request_timeout_s=request_timeout,
+                    chat_template=chat_template,
+                    generation_config=generation_config),
+        **layout,
+    })
+
+    ensure_checkpoint(cfg.engine)
+    check_model_options(cfg)
+    if cfg.engine.simulate is not None:
+        typer.secho(f"warning: SIMULATED engines ({cfg.engine.simulate.step_ms:g} ms per step, no model "
+                    "loaded): for control-plane benchmarks only", fg=typer.colors.YELLOW, err=True)
+    plan, node = plan_of(cfg)
+    if dry_run:
+        from hybridlb.plan import format_plan
+
+        typer.echo(f"{format_plan(plan)}\nthis node: {node.summary()}; model {cfg.served_model_names}, "
+                   f"dtype {cfg.engine.dtype}, max_model_len {cfg.engine.max_model_len}")
+        raise typer.Exit(0)
+    raise typer.Exit(serve_node(cfg, plan, node))
+
+
+@with_options(PARALLEL, into="parallel")
+def plan(
+    model: Annotated[str | None, typer.Option(help=MODEL_HELP + " Read for dense vs MoE.")] = None,
+    config: Annotated[Path | None, typer.Option(help="YAML config; flags override it.")] = None,
+    host: Annotated[str | None, typer.Option(help="HTTP interface.")] = None,
+    port: Annotated[int | None, typer.Option(help="HTTP port.")] = None,
+    enable_expert_parallel: EXPERT_PARALLEL = None,
+    parallel: dict[str, Any] | None = None,
+):
+    """Print the rank map (nodes → ranks → API servers → ports), or every problem with its fix."""
+    from hybridlb.plan import format_plan
+
+    cfg = build_config(config, model or ("(none)" if config is None else None), {
+        "engine": dict(expert_parallel=enable_expert_parallel),
+        "api": dict(host=host, port=port),
+        **parallel_overrides(parallel),
+    })
+    cluster, _ = plan_of(cfg)
+    typer.echo(format_plan(cluster))
+
+
+def _simulate_flags(step_ms: float | None, per_token_ms: float | None) -> dict | None:
+    """engine.simulate from the flags (None: not given, the config file decides)."""
+    if step_ms is None:
+        if per_token_ms is not None:
+            fail("--simulate-per-token-ms needs --simulate-step-ms")
+        return None
+    return {"step_ms": step_ms, "per_token_ms": per_token_ms or 0.0}
