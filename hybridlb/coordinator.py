@@ -190,6 +190,7 @@ def run_coordinator(stats_address: str, loads_address: str, size: int, waves_add
     lifecycle.set_title("hybridlb:coordinator")
     lifecycle.configure_logging("hybridlb:coordinator")
     lifecycle.die_with_parent()
+    lifecycle.leave_interrupts_to_the_launcher()
     coordinator = Coordinator(stats_address, loads_address, size, waves_address, token)
     lifecycle.on_terminate(coordinator.stop)
     log.info("coordinator for %d ranks: stats in %s, loads out %s", size, stats_address, loads_address)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -36,10 +37,80 @@ def die_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+def leave_interrupts_to_the_launcher() -> None:
+    """In a child process of a launcher: ignore SIGINT until the child sets its own handlers. A
+    terminal's Ctrl-C reaches the whole process group; the launcher then stops its children in
+    order (SIGTERM), so a child still loading must not die of it mid-import with a traceback.
+    The child starts with SIGINT blocked (``spawning``), so none arrives before this runs."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+@contextlib.contextmanager
+def spawning():
+    """Start child processes with SIGINT blocked (a mask they inherit, until
+    ``leave_interrupts_to_the_launcher``); in this process a SIGINT meanwhile waits until the end."""
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
 def on_terminate(callback: Callable[[], None]) -> None:
     """Run ``callback`` on SIGTERM and SIGINT (it must only set flags and wake loops)."""
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: callback())
+
+
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM arrived while a launcher was starting: stop what started and exit. A
+    BaseException, as KeyboardInterrupt is, so no `except Exception` on the way swallows it."""
+
+
+class StopSignals:
+    """SIGINT and SIGTERM for a launcher (``serve``, ``up``), at any moment of its life.
+
+    The first signal asks for an orderly stop: it prints one line saying what is being
+    stopped, sets ``requested`` and, while ``starting`` is true, raises ``Interrupted`` in the
+    main thread, so whatever start-up is waiting on gives up at once (with ``interrupt=False``
+    it only sets ``requested``: for waits inside libraries that cannot take an exception from a
+    signal handler, which poll ``requested`` instead). A second signal forces it: ``force()``
+    (kill what started, without waiting) runs, and the process exits 130.
+    """
+
+    def __init__(self, what: str, force: Callable[[], None], on_stop: Callable[[], None] | None = None,
+                 interrupt: bool = True):
+        """``on_stop`` runs on the first signal (it must only set flags and wake loops)."""
+        self.what, self.force, self.on_stop, self.interrupt = what, force, on_stop, interrupt
+        self.requested = False
+        self.starting = True
+        self.install()
+
+    def install(self) -> None:
+        """(Again) take SIGINT and SIGTERM: a library may have set its own (``ray.init`` sets SIGTERM's)."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, _frame) -> None:
+        name = signal.Signals(signum).name
+        if self.requested:
+            print(f"{name} again: killing {self.what} now", file=sys.stderr, flush=True)
+            try:
+                self.force()
+            finally:
+                os._exit(130)
+        self.requested = True
+        print(f"{name}: stopping {self.what} (again to kill it now)", file=sys.stderr, flush=True)
+        if self.on_stop is not None:
+            self.on_stop()
+        if self.starting and self.interrupt:
+            raise Interrupted(f"{name} while starting")
+
+    def check(self) -> None:
+        """Raise ``Interrupted`` if a stop was asked for (the polling side of ``interrupt=False``)."""
+        if self.requested:
+            raise Interrupted("stopped while starting")
 
 
 def raise_open_files_limit(target: int = 65536) -> int:

@@ -47,6 +47,7 @@ class NodePlan:
     headless: bool
     address: str | None  # where other nodes reach it; None: not named, learnt on the node at start
     api_servers: tuple[ApiServerPlan, ...]
+    supervisor_port: int | None = None  # multi_port: where the node supervisor answers probes for every rank
 
     @property
     def is_head(self) -> bool:
@@ -55,7 +56,9 @@ class NodePlan:
     def summary(self) -> str:
         """One line: its index, ranks and API servers (``serve --dry-run``)."""
         servers = ", ".join(f"{a.name}@{a.host}:{a.port}→{list(a.ranks)}" for a in self.api_servers)
-        return f"{self.index}, ranks {list(self.ranks)}, " + ("headless" if self.headless else f"API servers {servers}")
+        supervisor = f", supervisor :{self.supervisor_port}" if self.supervisor_port else ""
+        return f"{self.index}, ranks {list(self.ranks)}, " + ("headless" if self.headless
+                                                              else f"API servers {servers}{supervisor}")
 
 
 @dataclass(frozen=True)
@@ -171,15 +174,40 @@ def _check_mode(config: Config, mode: str, specs, problems: list[str]) -> None:
         if mode == "internal" and start != 0 and not headless:
             problems.append(f"{where}: internal mode runs API servers on the head only; "
                             "start this node with --headless")
-    if mode == "external" and explicit_api_servers and config.lb.api_servers_per_node != 1:
-        problems.append("external mode runs exactly one API server per rank; drop --api-servers-per-node")
+    if mode in ("external", "multi_port") and explicit_api_servers and config.lb.api_servers_per_node != 1:
+        problems.append(f"{mode} mode runs exactly one API server per rank; drop --api-servers-per-node")
+    if mode == "multi_port":
+        _check_multi_port(config, specs, problems)
+
+
+def _check_multi_port(config: Config, specs, problems: list[str]) -> None:
+    """vLLM's rules for --data-parallel-multi-port-external-lb, each with its fix."""
+    size = config.data_parallel.size
+    if size < 2:
+        problems.append("multi-port mode needs --data-parallel-size of at least 2 (one rank needs no supervisor); "
+                        "raise it, or drop --data-parallel-multi-port-external-lb")
+    for index, (_, size_local, headless, _, api_port) in enumerate(specs):
+        where = _label(specs, index)
+        if headless:
+            problems.append(f"{where}: multi-port mode serves every rank on its own port, so it cannot be headless; "
+                            "drop --headless")
+        if size_local < 2:
+            problems.append(f"{where}: multi-port mode needs --data-parallel-size-local of at least 2 (one rank a "
+                            "node is external LB: use --data-parallel-rank)")
+        elif size % size_local:
+            problems.append(f"{where}: --data-parallel-size {size} is not a multiple of --data-parallel-size-local "
+                            f"{size_local}; give every node the same number of ranks")
+        lb, port = config.lb, api_port if api_port is not None else config.api.port
+        if port <= lb.supervisor_port < port + size_local:
+            problems.append(f"{where}: --data-parallel-supervisor-port {lb.supervisor_port} overlaps the ranks' ports "
+                            f"{port}-{port + size_local - 1}; pick a supervisor port outside them")
 
 
 def _api_servers(config: Config, mode: str, index: int, start: int, ranks: tuple[int, ...], headless: bool,
                  host: str, port: int) -> tuple[ApiServerPlan, ...]:
     if headless:
         return ()
-    if mode == "external":
+    if mode in ("external", "multi_port"):
         return tuple(ApiServerPlan(f"api:{index}.{i}", host, port + i, (rank,)) for i, rank in enumerate(ranks))
     served = ranks if mode == "hybrid" else tuple(range(config.data_parallel.size))
     count = _api_server_count(config, len(ranks))
@@ -210,6 +238,8 @@ def _check_ports(plan: ClusterPlan, problems: list[str]) -> None:
                 claim(node.address, plan.engine_port(rank), f"engine {rank}")
         for api in node.api_servers:
             claim(node.address, api.port, f"API server {api.name.split('.')[0]}")
+        if node.supervisor_port is not None:
+            claim(node.address, node.supervisor_port, f"the supervisor of node {node.index}")
 
 
 def _default_node_address(config: Config, start_rank: int, listed: bool) -> str | None:
@@ -258,7 +288,8 @@ def plan_cluster(config: Config, is_moe: bool | None = False) -> ClusterPlan:
         host = address or _default_node_address(config, start, listed=bool(dp.nodes))
         port = api_port if api_port is not None else config.api.port
         servers = _api_servers(config, mode, node_index, start, ranks, headless, config.api.host, port)
-        nodes.append(NodePlan(node_index, start, ranks, headless, host, servers))
+        supervisor = config.lb.supervisor_port if mode == "multi_port" and not headless else None
+        nodes.append(NodePlan(node_index, start, ranks, headless, host, servers, supervisor))
     plan = ClusterPlan(
         size=dp.size, mode=mode, head_address=dp.address, rpc_port=dp.rpc_port, nodes=tuple(nodes),
         complete=complete, coordinator=dp.size > 1 and (lockstep or mode != "external"),
@@ -277,6 +308,8 @@ def format_plan(plan: ClusterPlan) -> str:
         ranks = f"{node.ranks[0]}..{node.ranks[-1]}" if len(node.ranks) > 1 else str(node.ranks[0])
         role = ("head" if node.is_head else "worker") + (", headless" if node.headless else "")
         apis = ", ".join(f"{a.name}@{a.host}:{a.port}→{_ranks(a.ranks)}" for a in node.api_servers) or "-"
+        if node.supervisor_port is not None:
+            apis += f"; supervisor :{node.supervisor_port}"
         lines.append(f"{node.index:<6}{ranks:<14}{role:<22}{apis:<40}")
     lines.append(f"mode: {plan.mode}; data-parallel size {plan.size}"
                  + ("" if plan.complete else " (other nodes join through the rpc port)"))

@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from hybridlb import LLM, SamplingParams
 
 
@@ -72,8 +74,26 @@ LLM_D_WIDE_EP = ["--port", "8200", "--disable-log-requests", "--disable-uvicorn-
                  "--dbo-decode-token-threshold", "32", "--enable-eplb", "--eplb-config", '{"window_size":"1000"}',
                  "--compilation_config", '{"cudagraph_mode":"FULL_DECODE_ONLY"}', "--kv-events-config",
                  '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557","topic":"kv@10.0.0.7@m"}']
-NOT_IMPLEMENTED = ["--kv-transfer-config", "--async-scheduling", "--enable-dbo", "--dbo-decode-token-threshold",
-                   "--enable-eplb", "--eplb-config", "--compilation-config"]
+NOT_IMPLEMENTED = ["--kv-transfer-config", "--async-scheduling", "--enable-eplb", "--eplb-config",
+                   "--compilation-config"]
+# llm-d's current wide-EP decode and prefill pods (guides/wide-ep-lws), for a 2-pod group of 2 ranks
+# each, as the second pod (START_RANK 2): multi-port ranks under a supervisor.
+LLM_D_DECODE = ["--port", "8200", "--disable-access-log-for-endpoints=/health,/metrics",
+                "--data-parallel-multi-port-external-lb", "--data-parallel-supervisor-port=8208",
+                "--enable-expert-parallel", "--tensor-parallel-size", "1", "--max-num-batched-tokens", "256",
+                "--max-num-seqs", "256", "--data-parallel-size", "4", "--data-parallel-size-local", "2",
+                "--data-parallel-address", "leader.lws", "--data-parallel-rpc-port", "5555",
+                "--data-parallel-start-rank", "2", "--kv_transfer_config",
+                '{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_load_failure_policy":"fail"}',
+                "--enable-dbo", "--dbo-decode-token-threshold", "32", "--all2all-backend", "deepep_low_latency",
+                "--moe-backend", "deep_gemm"]
+LLM_D_PREFILL = ["--port", "8000", "--enforce-eager", "--gpu-memory-utilization", "0.80",
+                 "--disable-access-log-for-endpoints=/health,/metrics", "--data-parallel-multi-port-external-lb",
+                 "--data-parallel-supervisor-port", "8008", "--enable-expert-parallel", "--tensor-parallel-size", "1",
+                 "--data-parallel-size", "4", "--data-parallel-size-local", "2", "--data-parallel-address",
+                 "leader.lws", "--data-parallel-rpc-port", "5555", "--data-parallel-start-rank", "2",
+                 "--kv_transfer_config", '{"kv_connector":"NixlConnector","kv_role":"kv_both"}', "--moe-backend",
+                 "deep_gemm", "--all2all-backend", "deepep_high_throughput"]
 
 
 def test_vllm_data_parallel_commands_run_as_vllm_documents_them(checkpoints):
@@ -108,7 +128,7 @@ def test_llm_d_wide_ep_command_names_each_flag_it_cannot_honour(checkpoints):
         if skip:
             skip -= 1
         elif arg.replace("_", "-") in NOT_IMPLEMENTED:
-            skip = 0 if arg in ("--async-scheduling", "--enable-dbo", "--enable-eplb") else 1
+            skip = 0 if arg in ("--async-scheduling", "--enable-eplb") else 1
         else:
             kept.append(arg)
     run = _hybridlb("serve", model, *kept, "--dry-run")
@@ -127,3 +147,22 @@ def test_vllm_spellings_of_lengths_dtypes_and_names(checkpoints):
     assert bad.returncode == 2
     assert "--max-model-len lots: not a token count" in bad.stderr and "--tensor-parallel-size 2" in bad.stderr
     assert "--dtype fp8: use one of" in bad.stderr
+
+
+@pytest.mark.parametrize("command", [LLM_D_DECODE, LLM_D_PREFILL], ids=["decode", "prefill"])
+def test_llm_d_multi_port_commands_run_but_for_kv_transfer(checkpoints, command):
+    """Only --kv-transfer-config (prefill/decode disaggregation) is refused; the GPU-kernel choices are
+    accepted with a note each, and without it the pod plans llm-d's ports and supervisor."""
+    model = checkpoints("qwen3_moe")
+    refused = _hybridlb("serve", model, *command, "--dry-run")
+    assert refused.returncode == 2 and "--kv-transfer-config" in refused.stderr
+    assert refused.stderr.count("drop the flag") == 1, refused.stderr
+    at = command.index("--kv_transfer_config")
+    run = _hybridlb("serve", model, *command[:at], *command[at + 2:], "--dry-run")
+    assert run.returncode == 0, run.stderr
+    base, supervisor = (8200, 8208) if command is LLM_D_DECODE else (8000, 8008)
+    assert (f"API servers api:1.0@127.0.0.1:{base}→[2], api:1.1@127.0.0.1:{base + 1}→[3], "
+            f"supervisor :{supervisor}") in run.stdout, run.stdout
+    assert "mode: multi_port" in run.stdout and "experts sharded over 4 ranks" in run.stdout
+    for flag in ("--all2all-backend", "--moe-backend", "--disable-access-log-for-endpoints"):
+        assert f"note: {flag}" in run.stderr, flag

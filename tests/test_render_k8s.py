@@ -37,7 +37,7 @@ def _command_for(pod: dict, index: int, leader: str) -> list[str]:
 def test_manifest_has_one_pod_per_node_and_valid_commands(tmp_path):
     docs = _documents("configs/multinode.yaml")
     kinds = [d["kind"] for d in docs]
-    assert kinds == ["ConfigMap", "LeaderWorkerSet", "Service", "Service"]
+    assert kinds == ["ConfigMap", "LeaderWorkerSet", "Service", "Service", "Service"]
     lws = docs[1]["spec"]["leaderWorkerTemplate"]
     assert lws["size"] == 2
     shared = tmp_path / "config.yaml"
@@ -53,7 +53,12 @@ def test_manifest_has_one_pod_per_node_and_valid_commands(tmp_path):
         assert plan.returncode == 0, plan.stderr
         assert f"{2 * index}..{2 * index + 1}" in plan.stdout
     services = {d["metadata"]["name"]: d["spec"]["selector"] for d in docs[2:]}
-    assert [s["leaderworkerset.sigs.k8s.io/worker-index"] for s in services.values()] == ["0", "1"]
+    per_node = [s for name, s in services.items() if name.endswith(("-node-0", "-node-1"))]
+    assert [s["leaderworkerset.sigs.k8s.io/worker-index"] for s in per_node] == ["0", "1"]
+    # One Service across the group: every serving pod of it, on the API port.
+    group = services["hybridlb-multinode"]
+    assert group == {"leaderworkerset.sigs.k8s.io/name": "hybridlb-multinode", "llm-d.ai/inference-serving": "true"}
+    assert lws["leaderTemplate"]["metadata"]["labels"]["llm-d.ai/inference-serving"] == "true"
 
 
 def test_uneven_nodes_cannot_be_a_leaderworkerset(tmp_path):
@@ -75,7 +80,7 @@ def test_a_cluster_without_node_addresses_renders_with_its_token_in_a_secret(tmp
     path.write_text(f"engine: {{model: {tiny_qwen3}, kv_cache_gib: 1}}\n"
                     "data_parallel: {size: 4, size_local: 2, cluster_token: s3cret-token-for-the-test}\n")
     docs = _documents(str(path), memory_gib=None, model_host_path="/data/tiny")
-    assert [d["kind"] for d in docs] == ["ConfigMap", "Secret", "LeaderWorkerSet", "Service", "Service"]
+    assert [d["kind"] for d in docs] == ["ConfigMap", "Secret", "LeaderWorkerSet", "Service", "Service", "Service"]
     assert "s3cret" not in docs[0]["data"]["config.yaml"]
     assert docs[1]["stringData"]["token"] == "s3cret-token-for-the-test"
     pod = docs[2]["spec"]["leaderWorkerTemplate"]["workerTemplate"]
@@ -96,9 +101,27 @@ def test_render_names_what_is_missing(tmp_path):
     path.write_text("engine: {model: /nowhere/model}\ndata_parallel: {size: 3, size_local: 2}\n")
     run = subprocess.run([sys.executable, "-m", "hybridlb", "render", "k8s", str(path)], capture_output=True, text=True)
     assert run.returncode != 0 and "multiple of --data-parallel-size-local" in run.stderr
+    # A model that is not readable here (it lives on the cluster's volume): a default, and a note saying so.
     path.write_text("engine: {model: /nowhere/model}\ndata_parallel: {size: 4, size_local: 2}\n")
     run = subprocess.run([sys.executable, "-m", "hybridlb", "render", "k8s", str(path)], capture_output=True, text=True)
-    assert run.returncode != 0 and "--memory-gib" in run.stderr
+    assert run.returncode == 0, run.stderr
+    assert "note: /nowhere/model is not readable here" in run.stderr and "--memory-gib" in run.stderr
+    memory = yaml.safe_load_all(run.stdout)
+    lws = next(d for d in memory if d["kind"] == "LeaderWorkerSet")
+    container = lws["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0]
+    assert container["resources"]["requests"]["memory"] == "36352Mi"  # 2 x (16 + 0.5 KV + 0.75) + 1 GiB
+
+
+def test_the_readme_command_renders_the_multinode_config_as_written():
+    """`hybridlb render k8s configs/multinode.yaml` (its model is not on this machine): valid manifests."""
+    run = subprocess.run([sys.executable, "-m", "hybridlb", "render", "k8s", "configs/multinode.yaml"],
+                         capture_output=True, text=True, cwd=Path(__file__).parent.parent)
+    assert run.returncode == 0, run.stderr
+    docs = list(yaml.safe_load_all(run.stdout))
+    schemas = {kind: _schema(f"{kind.lower()}-v1") for kind in ("ConfigMap", "Service", "LeaderWorkerSet")}
+    for document in docs:
+        assert _problems(document, schemas[document["kind"]]) == [], document["kind"]
+    assert [d["kind"] for d in docs].count("Service") == 3
 
 
 SCHEMAS = Path(__file__).parent / "k8s_schemas"
@@ -153,3 +176,43 @@ def test_the_dockerfile_installs_the_pinned_torch_and_runs_the_manifests_command
     assert "gcc" in dockerfile  # the CPU kernels are compiled on first start
     script = _documents("configs/multinode.yaml")[1]["spec"]["leaderWorkerTemplate"]["leaderTemplate"]
     assert "exec hybridlb serve" in script["spec"]["containers"][0]["command"][2]  # on the image's PATH
+
+
+def test_multi_port_renders_llm_d_s_pod_shape(tmp_path, tiny_qwen3):
+    """`--lb multi-port`: a port per rank (what the InferencePool lists and the PodMonitor scrapes), the
+    probes on the supervisor's port with llm-d's periods, and pods that start multi-port serve."""
+    path = tmp_path / "lws.yaml"
+    path.write_text(f"engine: {{model: {tiny_qwen3}}}\napi: {{port: 8200}}\nlb: {{supervisor_port: 8208}}\n"
+                    "data_parallel: {size: 4, size_local: 2}\n")
+    run = subprocess.run([sys.executable, "-m", "hybridlb", "render", "k8s", str(path), "--lb", "multi-port"],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    docs = list(yaml.safe_load_all(run.stdout))
+    kinds = [d["kind"] for d in docs]
+    assert kinds == ["ConfigMap", "LeaderWorkerSet", "Service", "Service", "Service", "InferencePool", "PodMonitor"]
+    schemas = {kind: _schema(f"{kind.lower()}-v1")
+               for kind in ("ConfigMap", "Service", "LeaderWorkerSet", "InferencePool", "PodMonitor")}
+    templates = _schema("podtemplatespec-v1")
+    for document in docs:
+        assert _problems(document, schemas[document["kind"]]) == [], document["kind"]
+    lws = docs[1]["spec"]["leaderWorkerTemplate"]
+    for role in ("leaderTemplate", "workerTemplate"):
+        assert _problems(lws[role], templates) == [], role
+        container = lws[role]["spec"]["containers"][0]
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert ports["rank0"] == 8200 and ports["rank1"] == 8201 and ports["supervisor"] == 8208
+        assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "supervisor"}
+        assert container["livenessProbe"]["httpGet"] == {"path": "/health", "port": "supervisor"}
+        assert container["startupProbe"]["httpGet"] == {"path": "/health", "port": "supervisor"}
+        assert "--lb-mode multi_port" in container["command"][2]
+    pool, monitor = docs[5], docs[6]
+    assert [p["number"] for p in pool["spec"]["targetPorts"]] == [8200, 8201]
+    assert [e["port"] for e in monitor["spec"]["podMetricsEndpoints"]] == ["rank0", "rank1"]
+    # Each pod's command plans what llm-d runs: two ranks on 8200 and 8201, the supervisor on 8208.
+    shared = tmp_path / "config.yaml"
+    shared.write_text(docs[0]["data"]["config.yaml"])
+    argv = _command_for(lws["workerTemplate"], 1, "10.0.0.1")
+    argv[argv.index("--config") + 1] = str(shared)
+    plan = subprocess.run([sys.executable, "-m", "hybridlb", "plan", *argv[2:]], capture_output=True, text=True)
+    assert plan.returncode == 0, plan.stderr
+    assert "api:1.0@0.0.0.0:8200→[2], api:1.1@0.0.0.0:8201→[3]; supervisor :8208" in plan.stdout

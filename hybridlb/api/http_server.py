@@ -95,6 +95,7 @@ def run_api_server(config: Config, spec: ApiServerSpec, host: str, port: int, sh
     lifecycle.set_title(title)
     lifecycle.configure_logging(title)
     lifecycle.die_with_parent()
+    lifecycle.leave_interrupts_to_the_launcher()
     use_shared_metrics(spec.metrics_dir)
     from hybridlb.api.app import create_app
 

@@ -74,7 +74,8 @@ def completion_job(ctx: ApiContext, body: CompletionRequest) -> Job:
     prompts = [_token_ids(ctx, p) for p in texts]
     params = [_params(ctx, body, ids, body.max_tokens) for ids in prompts]
     echo = [t if isinstance(t, str) else ctx.tokenizer.decode(t) for t in texts] if body.echo else None
-    return Job("text_completion", f"cmpl-{uuid.uuid4().hex}", body.model, prompts, params, body.include_usage,
+    name = body.model or ctx.served_names[0]
+    return Job("text_completion", f"cmpl-{uuid.uuid4().hex}", name, prompts, params, body.include_usage,
                body.wants_logprobs, echo, body.choices, body.candidates)
 
 
@@ -87,7 +88,8 @@ def chat_job(ctx: ApiContext, body: ChatCompletionRequest) -> Job:
         raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from None
     ids = ctx.tokenizer.encode(text, add_special_tokens=False)
     params = _params(ctx, body, ids, body.requested_max_tokens)
-    return Job("chat.completion", f"chatcmpl-{uuid.uuid4().hex}", body.model, [ids], [params], body.include_usage,
+    name = body.model or ctx.served_names[0]
+    return Job("chat.completion", f"chatcmpl-{uuid.uuid4().hex}", name, [ids], [params], body.include_usage,
                body.wants_logprobs, n=body.choices, candidates=body.candidates)
 
 

@@ -28,8 +28,11 @@ COORDINATOR_SILENCE_S = 3.0  # three missed coordinator heartbeats
 
 class EnginePool:
     def __init__(self, engines: list[EngineConnection], policy: str = "cache_aware",
-                 follows_coordinator: bool = False):
+                 follows_coordinator: bool = False, one_rank_child: bool = False):
+        """``one_rank_child``: a multi-port node's server of one rank, which ignores a rank header that
+        names another rank, as vLLM's children do (a gateway's pin for another port's rank)."""
         self.engines = engines
+        self.one_rank_child = one_rank_child
         self.by_rank = {engine.rank: engine for engine in engines}
         self.policy = policy
         self.follows_coordinator = follows_coordinator
@@ -108,12 +111,20 @@ class EnginePool:
             engine.fail_all(f"engine {engine.rank}: the API server is shutting down", "shutdown", logging.INFO)
 
     # -- which engine takes a request -----------------------------------------------------
-    def check_rank(self, rank: int | None) -> None:
-        """Fail early (before any response starts) if ``rank`` is not this node's."""
-        if rank is not None and rank not in self.by_rank:
-            owned = ", ".join(map(str, sorted(self.by_rank)))
-            raise APIError(400, f"X-data-parallel-rank {rank} is not served here; this node has ranks {owned}",
-                           param="X-data-parallel-rank")
+    def resolve_rank(self, value: int | None) -> int | None:
+        """The global rank an ``X-data-parallel-rank`` value pins: a rank this node serves, or a local
+        index 0..n-1 into them, as vLLM's per-node frontend and vllm-router read it (the two readings
+        are the same rank on the node whose start rank is 0). Anything else is a 400 naming both."""
+        if value is None or value in self.by_rank:
+            return value
+        ranks = sorted(self.by_rank)
+        if 0 <= value < len(ranks):
+            return ranks[value]
+        if self.one_rank_child:
+            return None
+        owned = ", ".join(map(str, ranks))
+        raise APIError(400, f"X-data-parallel-rank {value} is neither a rank this node serves (ranks {owned}) nor a "
+                            f"local index of them (0..{len(ranks) - 1})", param="X-data-parallel-rank")
 
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, rank: int | None,
                tried: set[int]) -> tuple[EngineConnection, asyncio.Queue]:
@@ -144,8 +155,7 @@ class EnginePool:
              hashes: list[int] = (), prompt_tokens: int = 0) -> EngineConnection:
         """The engine for a new request: ``rank`` if pinned, else by the policy among the live
         ones (``cache_aware`` weighs what each rank holds of the prompt's ``hashes`` against its
-        load and its queue of prompts to prefill)."""
-        self.check_rank(rank)
+        load and its queue of prompts to prefill). ``rank`` is a global one (``resolve_rank``)."""
         if (outage := self.outage()) is not None:
             raise APIError(503, outage)
         if rank is not None:

@@ -73,8 +73,7 @@ def _pinned_rank(request: Request) -> int | None:
 
 
 async def respond(request: Request, ctx: ApiContext, job: Job, stream: bool) -> Response:
-    rank = _pinned_rank(request)
-    ctx.pool.check_rank(rank)
+    rank = ctx.pool.resolve_rank(_pinned_rank(request))
     if not any(engine.alive for engine in ctx.pool.engines):
         raise APIError(503, "no engine is available on this node")
     ctx.slots.hold(request.scope, len(job.prompts) * job.candidates)

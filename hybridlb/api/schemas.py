@@ -25,7 +25,8 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_CHOICES = 128  # n / best_of: sequences per prompt (prompts x sequences stays within MAX_PROMPTS)
 # Fields of OpenAI's API hybridlb does not implement: a request setting one gets a 400 naming it.
 UNSUPPORTED_FIELDS = {
-    "response_format": "structured output (JSON schema / JSON mode) is not implemented; drop it",
+    "response_format": "structured output (JSON schema / JSON mode) is not implemented; drop it (or send "
+                       "{\"type\": \"text\"})",
     "guided_json": "guided decoding is not implemented; drop it",
     "guided_regex": "guided decoding is not implemented; drop it",
     "guided_choice": "guided decoding is not implemented; drop it",
@@ -52,7 +53,7 @@ class StreamOptions(BaseModel):
 class SamplingRequest(BaseModel):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
-    model: Text
+    model: Text | None = None  # None: the (first) model this server serves, as vLLM does
     max_tokens: int | None = None
     # Unset sampling fields take the model's generation_config.json defaults, then OpenAI's.
     temperature: float | None = None
@@ -74,7 +75,8 @@ class SamplingRequest(BaseModel):
     def check_supported(self) -> None:
         extra = self.model_extra or {}  # not getattr: pydantic raises and catches inside for a missing extra
         for name, what in UNSUPPORTED_FIELDS.items():
-            if extra.get(name, self.__dict__.get(name)) is not None:
+            value = extra.get(name, self.__dict__.get(name))
+            if value is not None and not (name == "response_format" and value == {"type": "text"}):
                 raise APIError(400, f"{name} is not supported: {what}", param=name)
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")

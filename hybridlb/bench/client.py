@@ -26,6 +26,10 @@ class BenchError(RuntimeError):
     """The benchmark cannot run (server unreachable, bad arguments)."""
 
 
+class Unauthorized(BenchError):
+    """The server wants an API key the benchmark does not have."""
+
+
 @dataclass
 class BenchArgs:
     base_url: str = "http://127.0.0.1:8000"
@@ -239,21 +243,9 @@ def bench_serve(args: BenchArgs) -> dict:
     """Run the benchmark end to end; print the table, save JSON if asked, return the summary."""
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     if args.model is None:
-        try:
-            models = httpx.get(f"{args.base_url}/v1/models", headers=headers, timeout=30)
-            models.raise_for_status()
-        except httpx.HTTPError as exc:
-            raise BenchError(f"cannot list models at {args.base_url}/v1/models: {exc}; is the server up?") from None
-        args.model = models.json()["data"][0]["id"]
-    vocab_size, decode = 1000, None
-    tokenizer_dir = args.tokenizer or args.model
-    try:
-        from hybridlb.checkpoint.tokenizer import Tokenizer
-
-        tokenizer = Tokenizer(tokenizer_dir)
-        vocab_size, decode = tokenizer.vocab_size, tokenizer.decode
-    except Exception:
-        print(f"note: no tokenizer at {tokenizer_dir!r}; random ids below {vocab_size}", file=sys.stderr)
+        models = _get(f"{args.base_url}/v1/models", headers, args.api_key)
+        args.model = models["data"][0]["id"]
+    vocab_size, decode = _tokenizer(args, headers)
     prompts = make_prompts(args, vocab_size, decode)
     results, duration = asyncio.run(run_benchmark(args, prompts))
     summary = summarize(args, results, duration)
@@ -262,3 +254,48 @@ def bench_serve(args: BenchArgs) -> dict:
         with open(args.save_result, "w") as f:
             json.dump({**summary, "args": {k: v for k, v in asdict(args).items() if k != "api_key"}}, f, indent=2)
     return summary
+
+
+def _get(url: str, headers: dict, api_key: str | None) -> dict:
+    """A GET the benchmark cannot do without, or a BenchError saying why it failed."""
+    try:
+        response = httpx.get(url, headers=headers, timeout=30)
+    except httpx.HTTPError as exc:
+        raise BenchError(f"no server answers at {url} ({type(exc).__name__}: {exc}); is it up?") from None
+    if response.status_code == 401:
+        given = "the key given was refused" if api_key else "none was given"
+        raise Unauthorized(f"{url} answered 401: the server wants an API key and {given}; pass --api-key or set "
+                           "OPENAI_API_KEY / HYBRIDLB_API_KEY")
+    if response.status_code != 200:
+        raise BenchError(f"{url} answered {response.status_code}: {response.text[:200]}")
+    return response.json()
+
+
+def _tokenizer(args: BenchArgs, headers: dict):
+    """(vocabulary size, decode) for making prompts: from a local tokenizer (--tokenizer, or --model
+    when it is a local checkpoint), else the server's own (/tokenizer_info, /detokenize)."""
+    local = args.tokenizer or args.model
+    try:
+        from hybridlb.checkpoint.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer(local)
+        return tokenizer.vocab_size, tokenizer.decode
+    except Exception:
+        if args.tokenizer is not None:
+            raise BenchError(f"--tokenizer {args.tokenizer!r} is not a tokenizer this machine can load") from None
+    try:
+        info = _get(f"{args.base_url}/tokenizer_info", headers, args.api_key)
+    except Unauthorized:
+        raise
+    except BenchError as exc:
+        print(f"note: no local tokenizer for {local!r} and the server's is not available ({exc}); "
+              "random ids below 1000", file=sys.stderr)
+        return 1000, None
+
+    def decode(ids: list[int]) -> str:
+        response = httpx.post(f"{args.base_url}/detokenize", json={"model": args.model, "tokens": ids},
+                              headers=headers, timeout=30)
+        response.raise_for_status()
+        return response.json()["prompt"]
+
+    return info["vocab_size"], decode

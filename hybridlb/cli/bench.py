@@ -9,14 +9,15 @@ import typer
 
 from hybridlb.cli.options import fail
 
-bench_app = typer.Typer(no_args_is_help=True, help="Benchmark clients.")
+bench_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Benchmark clients.")
 
 
 @bench_app.command("serve")
 def bench_serve_command(
     base_url: Annotated[str, typer.Option(help="Server root, e.g. http://127.0.0.1:8000.")] = "http://127.0.0.1:8000",
     model: Annotated[str | None, typer.Option(help="Model name (default: the server's first).")] = None,
-    tokenizer: Annotated[str | None, typer.Option(help="Local tokenizer dir (default: --model if a dir).")] = None,
+    tokenizer: Annotated[str | None, typer.Option(
+        help="Local model or tokenizer dir (default: --model if one, else the server's own tokenizer).")] = None,
     dataset_name: Annotated[str, typer.Option(help="Only 'random' for now.")] = "random",
     random_input_len: Annotated[int, typer.Option(min=1)] = 1024,
     random_output_len: Annotated[int, typer.Option(min=1)] = 128,
@@ -26,7 +27,8 @@ def bench_serve_command(
     ignore_eos: Annotated[bool, typer.Option()] = False,
     seed: Annotated[int, typer.Option()] = 0,
     prompt_format: Annotated[str, typer.Option(help="ids (token-id prompts) or text.")] = "ids",
-    api_key: Annotated[str | None, typer.Option(envvar="HYBRIDLB_API_KEY")] = None,
+    api_key: Annotated[str | None, typer.Option(envvar=["HYBRIDLB_API_KEY", "OPENAI_API_KEY"],
+                                                help="The server's API key.")] = None,
     save_result: Annotated[Path | None, typer.Option(help="Write the results as JSON here.")] = None,
 ):
     """Load an OpenAI-compatible server and print TTFT / TPOT / ITL / throughput."""

@@ -56,9 +56,13 @@ def status(
             fail(str(exc))
         typer.echo(text)
         raise typer.Exit(0 if healthy else 1)
+    from hybridlb.launch.ray_driver import UpError
     from hybridlb.launch.ray_driver import status as ray_status
 
-    rows = ray_status(name, address, namespace)
+    try:
+        rows = ray_status(name, address, namespace)
+    except UpError as exc:
+        fail(str(exc))
     if not rows:
         fail(f"no cluster named {name!r} in namespace {namespace!r}")
     typer.echo(f"{'actor':<36}{'state':<12}{'node':<14}load")
@@ -72,7 +76,12 @@ def down(
     namespace: Annotated[str, typer.Option()] = "hybridlb",
 ):
     """Stop every actor of a cluster and release its placement group."""
+    from hybridlb.launch.ray_driver import UpError
     from hybridlb.launch.ray_driver import down as ray_down
 
-    if ray_down(name, address, namespace):
+    try:
+        missing = ray_down(name, address, namespace)
+    except UpError as exc:
+        fail(str(exc))
+    if missing:
         fail(f"no cluster named {name!r} in namespace {namespace!r}")

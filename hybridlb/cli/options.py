@@ -13,8 +13,8 @@ import typer
 
 from hybridlb.config import Config, ConfigError, EngineConfig, load_config, parse_config
 
-# --help lists the flags vLLM also has (same name and meaning) apart from hybridlb's own.
-VLLM_FLAGS = "Flags with vLLM's names and meaning (its short forms and underscores work too)"
+# --help marks the flags vLLM also has (same name and meaning) apart from hybridlb's own.
+VLLM_MARK = "[vLLM]"
 MODEL_HELP = "Checkpoint: a Hugging Face directory, a .gguf file, or package:DIST/PATH."
 
 
@@ -25,8 +25,8 @@ def fail(message: str) -> None:
 
 
 def vllm_option(*names: str, help: str | None = None) -> typer.models.OptionInfo:
-    """An option vLLM also has, with its name and meaning (listed under VLLM_FLAGS in --help)."""
-    return typer.Option(*names, help=help, rich_help_panel=VLLM_FLAGS)
+    """An option vLLM also has, with its name and meaning (marked VLLM_MARK in --help)."""
+    return typer.Option(*names, help=f"{help} {VLLM_MARK}" if help else VLLM_MARK)
 
 
 def _option(*names: str, help: str, vllm: bool = True) -> typer.models.OptionInfo:
@@ -50,8 +50,19 @@ PARALLEL = {
     "data_parallel_node_address": Annotated[str | None, _option(
         "--data-parallel-node-address", help="This node's address for other nodes (internal LB).")],
     "headless": Annotated[bool | None, _option("--headless/--no-headless", help="Engines only, no API server.")],
-    "lb_mode": Annotated[str | None, _option("--lb-mode", help="hybrid (default), internal or external.", vllm=False)],
+    "lb_mode": Annotated[str | None, _option("--lb-mode", help="hybrid (default), internal, external or multi_port.",
+                                             vllm=False)],
     "api_servers_per_node": Annotated[str | None, _option("--api-servers-per-node", help="N or auto.", vllm=False)],
+    "data_parallel_supervisor_port": Annotated[int | None, _option(
+        "--data-parallel-supervisor-port", help="Multi-port: the node supervisor's port (/health, /readyz; "
+        "default 9256).")],
+    "dp_supervisor_probe_interval_s": Annotated[float | None, _option(
+        "--dp-supervisor-probe-interval-s", help="Multi-port: seconds between probes of each rank (default 5).")],
+    "dp_supervisor_probe_timeout_s": Annotated[float | None, _option(
+        "--dp-supervisor-probe-timeout-s", help="Multi-port: seconds one probe may take (default 5).")],
+    "dp_supervisor_probe_failure_threshold": Annotated[int | None, _option(
+        "--dp-supervisor-probe-failure-threshold", help="Multi-port: failed probes before a rank is down "
+        "(default 3).")],
 }
 # Field of the config section each PARALLEL flag sets.
 _PARALLEL_FIELDS = {
@@ -60,6 +71,10 @@ _PARALLEL_FIELDS = {
     "data_parallel_address": ("data_parallel", "address"), "data_parallel_rpc_port": ("data_parallel", "rpc_port"),
     "data_parallel_node_address": ("data_parallel", "node_address"), "headless": ("data_parallel", "headless"),
     "lb_mode": ("lb", "mode"), "api_servers_per_node": ("lb", "api_servers_per_node"),
+    "data_parallel_supervisor_port": ("lb", "supervisor_port"),
+    "dp_supervisor_probe_interval_s": ("lb", "supervisor_probe_interval_s"),
+    "dp_supervisor_probe_timeout_s": ("lb", "supervisor_probe_timeout_s"),
+    "dp_supervisor_probe_failure_threshold": ("lb", "supervisor_probe_failure_threshold"),
 }
 EXPERT_PARALLEL = Annotated[bool | None, _option("--enable-expert-parallel/--no-enable-expert-parallel",
                                                  help="MoE: shard experts over the DP ranks.")]
@@ -92,6 +107,8 @@ def parallel_overrides(flags: dict[str, Any]) -> dict[str, dict]:
     for name, value in flags.items():
         section, field = _PARALLEL_FIELDS[name]
         sections[section][field] = value
+    if sections["lb"].get("mode"):
+        sections["lb"]["mode"] = sections["lb"]["mode"].replace("-", "_")  # multi-port, as vLLM users write it
     servers = sections["lb"].get("api_servers_per_node")
     if servers not in (None, "auto"):
         if not servers.isdigit():

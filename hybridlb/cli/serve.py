@@ -124,8 +124,7 @@ def serve(
     if dry_run:
         from hybridlb.plan import format_plan
 
-        typer.echo(f"{format_plan(plan)}\nthis node: {node.summary()}; model {cfg.served_model_names}, "
-                   f"dtype {cfg.engine.dtype}, max_model_len {cfg.engine.max_model_len}")
+        typer.echo(f"{format_plan(plan)}\nthis node: {node.summary()}; {_engine_summary(cfg)}")
         raise typer.Exit(0)
     raise typer.Exit(serve_node(cfg, plan, node))
 
@@ -158,3 +157,16 @@ def _simulate_flags(step_ms: float | None, per_token_ms: float | None) -> dict |
             fail("--simulate-per-token-ms needs --simulate-step-ms")
         return None
     return {"step_ms": step_ms, "per_token_ms": per_token_ms or 0.0}
+
+
+def _engine_summary(cfg) -> str:
+    """The model settings this node's engines will run with, resolved as they will resolve them."""
+    from hybridlb.checkpoint.spec import load_spec
+    from hybridlb.engine.dtypes import engine_dtype
+
+    engine = cfg.engine
+    dtype = engine_dtype(engine)
+    max_len = load_spec(engine.model).model_len(engine.max_model_len)
+    return (f"model {cfg.served_model_names}, dtype {dtype}"
+            + (" (auto)" if engine.dtype == "auto" else "")
+            + f", max_model_len {max_len}" + ("" if engine.max_model_len else " (the model's)"))

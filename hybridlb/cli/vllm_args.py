@@ -17,11 +17,15 @@ SHORT = {
     "-dp": "--data-parallel-size", "-dpl": "--data-parallel-size-local", "-dpr": "--data-parallel-start-rank",
     "-dpn": "--data-parallel-rank", "-dpa": "--data-parallel-address", "-dpp": "--data-parallel-rpc-port",
     "-dpb": "--data-parallel-backend", "-dph": "--data-parallel-hybrid-lb", "-dpe": "--data-parallel-external-lb",
+    "-dpm": "--data-parallel-multi-port-external-lb",
     "-ep": "--enable-expert-parallel", "-tp": "--tensor-parallel-size", "-pp": "--pipeline-parallel-size",
     "-q": "--quantization", "-O": "--compilation-config",
 }
 RENAMED = {"--api-server-count": "--api-servers-per-node"}
-LB_SWITCHES = {"--data-parallel-hybrid-lb": "hybrid", "--data-parallel-external-lb": "external"}
+LB_FLAG = {"hybrid": "--data-parallel-hybrid-lb", "external": "--data-parallel-external-lb",
+           "multi_port": "--data-parallel-multi-port-external-lb", "internal": "--lb-mode internal"}
+LB_SWITCHES = {"--data-parallel-hybrid-lb": "hybrid", "--data-parallel-external-lb": "external",
+               "--data-parallel-multi-port-external-lb": "multi_port"}
 DTYPES = {"auto": "auto", "half": "float16", "float16": "float16", "bfloat16": "bfloat16", "float": "float32",
           "float32": "float32"}
 LENGTHS = {"--max-model-len", "--max-num-batched-tokens"}
@@ -35,6 +39,7 @@ NO_EFFECT = {
     "--no-enable-log-requests": "hybridlb does not log request contents",
     "--disable-log-stats": "hybridlb logs no periodic stats (read /metrics)",
     "--disable-uvicorn-access-log": "hybridlb's HTTP server keeps no access log",
+    "--enable-dbo": "dual-batch overlap selects GPU kernels hybridlb does not have",
 }
 # Flags with a value, the values that change nothing here, and why.
 NO_EFFECT_VALUES = {
@@ -43,6 +48,11 @@ NO_EFFECT_VALUES = {
     "--data-parallel-backend": ({"mp"}, "`hybridlb serve` runs plain processes"),
     "--kv-cache-dtype": ({"auto"}, "the KV cache is held in the model's dtype"),
     "--uvicorn-log-level": (None, "set the log level with HYBRIDLB_LOG_LEVEL"),
+    "--disable-access-log-for-endpoints": (None, "hybridlb's HTTP server keeps no access log for any endpoint"),
+    "--all2all-backend": (None, "it selects GPU all-to-all kernels hybridlb does not have (experts use "
+                                "torch.distributed collectives)"),
+    "--moe-backend": (None, "it selects GPU MoE kernels hybridlb does not have"),
+    "--dbo-decode-token-threshold": (None, "dual-batch overlap selects GPU kernels hybridlb does not have"),
 }
 # vLLM features hybridlb does not implement: what to do instead.
 UNSUPPORTED = {
@@ -58,13 +68,8 @@ UNSUPPORTED = {
     "--lora-modules": "LoRA adapters are not implemented; drop the flag",
     "--enable-eplb": "expert-parallel load balancing (EPLB) is not implemented; drop the flag",
     "--eplb-config": "expert-parallel load balancing (EPLB) is not implemented; drop the flag",
-    "--enable-dbo": "dual-batch overlap is not implemented; drop the flag",
-    "--dbo-decode-token-threshold": "dual-batch overlap is not implemented; drop the flag",
     "--async-scheduling": "hybridlb's engine schedules in its own loop; drop the flag",
     "--compilation-config": "hybridlb does not compile the model; drop the flag",
-    "--all2all-backend": "expert parallelism uses torch.distributed all-to-all; drop the flag",
-    "--data-parallel-multi-port-external-lb": "external LB serves one rank per `hybridlb serve` "
-                                              "(--data-parallel-rank); drop the flag",
     "--tokenizer": "the tokenizer is the checkpoint's own; drop the flag",
     "--revision": "nothing is downloaded: give a local checkpoint; drop the flag",
     "--download-dir": "nothing is downloaded: give a local checkpoint; drop the flag",
@@ -118,13 +123,13 @@ def translate(args: list[str]) -> tuple[list[str], list[str]]:
         flag = RENAMED.get(flag, flag)
         if flag in LB_SWITCHES:
             if lb_mode not in (None, LB_SWITCHES[flag]):
-                problems.append(f"{flag}: conflicts with an earlier load-balancing flag; give one of "
-                                "--data-parallel-hybrid-lb, --data-parallel-external-lb, --lb-mode")
+                problems.append(f"{flag} cannot be combined with {LB_FLAG[lb_mode]}; give one load-balancing mode")
             lb_mode = LB_SWITCHES[flag]
         elif flag == "--lb-mode":
-            given = cursor.value(inline)
+            given = (cursor.value(inline) or "").replace("-", "_")
             if lb_mode not in (None, given):
-                problems.append(f"--lb-mode {given}: conflicts with --data-parallel-{lb_mode}-lb; give one")
+                problems.append(f"--lb-mode {given} cannot be combined with {LB_FLAG.get(lb_mode, lb_mode)}; "
+                                "give one load-balancing mode")
             lb_mode = given
         elif flag in NO_EFFECT:
             notes.append(f"{flag} has no effect: {NO_EFFECT[flag]}")

@@ -318,6 +318,7 @@ def run_engine(config: EngineConfig, dp: DPContext, address: str, torch_threads:
     lifecycle.set_title(title)
     lifecycle.configure_logging(title)
     lifecycle.die_with_parent()
+    lifecycle.leave_interrupts_to_the_launcher()
     prepare_process(config, torch_threads)
     try:
         shell = EngineShell(make_core(config, dp), address, cores)

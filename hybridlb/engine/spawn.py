@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
+from hybridlb import lifecycle
 from hybridlb.config import EngineConfig
 from hybridlb.engine.client import EngineClient
 from hybridlb.engine.core_share import SharedCores, shared_cores
@@ -80,7 +81,8 @@ def start_engine(config: EngineConfig, rank: int, address: str, torch_threads: i
         target=run_engine, args=(config, dp, address, torch_threads, writer, cores),
         name=f"hybridlb:engine:{rank}", daemon=True,
     )
-    process.start()
+    with lifecycle.spawning():
+        process.start()
     writer.close()
     return EngineProcess(rank, address, process, reader)
 

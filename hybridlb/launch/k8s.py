@@ -8,7 +8,8 @@ environment. The model comes from a volume (a PersistentVolumeClaim or a host pa
 where ``engine.model`` points) or is baked into the image. Every pod gets a memory request
 sized from the model, a memory-backed ``/dev/shm``, a startup probe that gives a slow load
 its time before liveness applies, and labels an llm-d InferencePool can select; every node
-that serves HTTP gets a Service.
+that serves HTTP gets a Service of its own, and one Service spans them all (what a plain
+client or an Ingress points at).
 """
 
 from __future__ import annotations
@@ -31,6 +32,11 @@ SERVING_LABELS = ("llm-d.ai/inference-serving", "llm-d.ai/inferenceServing")
 STARTUP_PERIOD_S, STARTUP_MAX_S = 10, 1800  # a pod may load for up to 30 min before liveness applies
 ENGINE_OVERHEAD_GIB = 0.75  # torch, kernels and activations of one CPU engine, beyond weights and KV
 API_SERVER_GIB = 1.0
+# Weights of one engine when the model is not readable where the manifest is rendered (an
+# 8B model in bfloat16); `--memory-gib` sets the pod's memory instead.
+UNREAD_MODEL_WEIGHTS_GIB = 16.0
+MAX_POOL_PORTS = 8  # targetPorts an InferencePool (inference.networking.k8s.io/v1) may list
+ENDPOINT_PICKER_PORT = 9002  # the gRPC port of llm-d's endpoint picker Service, NAME-epp
 
 
 class RenderError(ValueError):
@@ -86,15 +92,36 @@ def serve_command(plan: ClusterPlan, size_local: int, headless: bool) -> str:
 def pod_memory_gib(config: Config, size_local: int, headless: bool) -> float:
     """A pod's memory request: each engine holds the weights in its serving dtype (``auto``
     counts as float32 on CPU, where it depends on the node's CPU), plus on CPU its KV cache,
-    plus a fixed overhead; an API server adds its own. Reads the model's config here."""
-    from hybridlb.checkpoint.spec import load_spec
-
+    plus a fixed overhead; an API server adds its own. Reads the model's config here, and
+    assumes ``UNREAD_MODEL_WEIGHTS_GIB`` of weights when it cannot (``memory_note`` says so)."""
     engine = config.engine
-    wide = engine.dtype == "float32" or (engine.dtype == "auto" and engine.device == "cpu")
-    weights = load_spec(engine.model).num_parameters * (4 if wide else 2) / 2**30
+    weights = _weights_gib(config)
+    if weights is None:
+        weights = UNREAD_MODEL_WEIGHTS_GIB
     kv = engine.kv_cache_gib if engine.device == "cpu" else 0.0
     total = size_local * (weights + kv + ENGINE_OVERHEAD_GIB) + (0 if headless else API_SERVER_GIB)
     return math.ceil(total * 4) / 4
+
+
+def _weights_gib(config: Config) -> float | None:
+    """One engine's weights in memory, from the checkpoint's config; None where it is not readable."""
+    from hybridlb.checkpoint.spec import CheckpointError, load_spec
+
+    engine = config.engine
+    try:
+        parameters = load_spec(engine.model).num_parameters
+    except CheckpointError:
+        return None
+    wide = engine.dtype == "float32" or (engine.dtype == "auto" and engine.device == "cpu")
+    return parameters * (4 if wide else 2) / 2**30
+
+
+def memory_note(config: Config, options: PodOptions) -> str | None:
+    """What the user should know about the pods' memory request, or None."""
+    if options.memory_gib is not None or _weights_gib(config) is not None:
+        return None
+    return (f"{config.engine.model} is not readable here, so each engine's weights are taken as "
+            f"{UNREAD_MODEL_WEIGHTS_GIB:g} GiB when sizing the pods' memory; pass --memory-gib to set it")
 
 
 def _container(config: Config, plan: ClusterPlan, size_local: int, headless: bool, options: PodOptions,
@@ -117,13 +144,24 @@ def _container(config: Config, plan: ClusterPlan, size_local: int, headless: boo
     if config.data_parallel.cluster_token:
         container["env"] = [{"name": "HYBRIDLB_CLUSTER_TOKEN",
                              "valueFrom": {"secretKeyRef": {"name": f"{name}-token", "key": "token"}}}]
-    if not headless:
-        port = config.api.port
-        container["ports"].append({"containerPort": port, "name": "http"})
-        probe = {"httpGet": {"path": "/health", "port": port}, "periodSeconds": STARTUP_PERIOD_S}
-        container["startupProbe"] = {**probe, "failureThreshold": STARTUP_MAX_S // STARTUP_PERIOD_S}
-        container["readinessProbe"] = probe
-        container["livenessProbe"] = {**probe, "failureThreshold": 6}
+    if headless:
+        return container
+    port = config.api.port
+    if plan.mode == "multi_port":
+        # llm-d's pod shape: a port per rank (what the InferencePool lists), the probes on the supervisor.
+        container["ports"] += [{"containerPort": port + i, "name": f"rank{i}"} for i in range(size_local)]
+        container["ports"].append({"containerPort": config.lb.supervisor_port, "name": "supervisor"})
+        health = {"httpGet": {"path": "/health", "port": "supervisor"}, "timeoutSeconds": 5}
+        container["startupProbe"] = {**health, "periodSeconds": 1, "failureThreshold": STARTUP_MAX_S}
+        container["livenessProbe"] = {**health, "periodSeconds": 30, "failureThreshold": 3}
+        container["readinessProbe"] = {"httpGet": {"path": "/readyz", "port": "supervisor"}, "timeoutSeconds": 5,
+                                       "periodSeconds": 10, "failureThreshold": 3}
+        return container
+    container["ports"].append({"containerPort": port, "name": "http"})
+    probe = {"httpGet": {"path": "/health", "port": port}, "periodSeconds": STARTUP_PERIOD_S}
+    container["startupProbe"] = {**probe, "failureThreshold": STARTUP_MAX_S // STARTUP_PERIOD_S}
+    container["readinessProbe"] = probe
+    container["livenessProbe"] = {**probe, "failureThreshold": 6}
     return container
 
 
@@ -186,12 +224,45 @@ def render(config: Config, plan: ClusterPlan, options: PodOptions = PodOptions()
              "size": len(plan.nodes), "restartPolicy": "RecreateGroupOnPodRestart",
              "leaderTemplate": _pod(config, plan, name, "leader", plan.nodes[0].headless, options),
              "workerTemplate": _pod(config, plan, name, "worker", worker_is_headless, options)}}})
+    http = [{"name": name_, "port": port, "targetPort": port} for name_, port in _serving_ports(config, plan)]
     for node in plan.nodes:
         if node.headless:
             continue
         documents.append({
             "apiVersion": "v1", "kind": "Service", "metadata": {"name": f"{name}-node-{node.index}"},
-            "spec": {"selector": {LWS_NAME_LABEL: name, LWS_INDEX_LABEL: str(node.index)},
-                     "ports": [{"name": "http", "port": config.api.port, "targetPort": config.api.port}]},
+            "spec": {"selector": {LWS_NAME_LABEL: name, LWS_INDEX_LABEL: str(node.index)}, "ports": http},
         })
+    documents.append({  # every serving pod of the group: one address for clients, an Ingress or a gateway
+        "apiVersion": "v1", "kind": "Service", "metadata": {"name": name},
+        "spec": {"selector": {LWS_NAME_LABEL: name, SERVING_LABELS[0]: "true"}, "ports": http},
+    })
+    if plan.mode == "multi_port":
+        documents += _llm_d_objects(config, plan, name)
     return yaml.dump_all(documents, Dumper=_NoAliases, sort_keys=False)
+
+
+def _serving_ports(config: Config, plan: ClusterPlan) -> list[tuple[str, int]]:
+    """(name, port) of what a serving pod answers HTTP on: one port, or one per rank (multi-port)."""
+    port = config.api.port
+    if plan.mode == "multi_port":
+        return [(f"rank{i}", port + i) for i in range(len(plan.nodes[0].ranks))]
+    return [("http", port)]
+
+
+def _llm_d_objects(config: Config, plan: ClusterPlan, name: str) -> list[dict]:
+    """Multi-port, llm-d's shape: an InferencePool whose target ports are every rank's (so the
+    endpoint picker scores each rank), and a PodMonitor scraping /metrics on every rank port."""
+    ports = _serving_ports(config, plan)
+    if len(ports) > MAX_POOL_PORTS:
+        raise RenderError(f"an InferencePool lists at most {MAX_POOL_PORTS} target ports, and a pod here serves "
+                          f"{len(ports)} ranks; put at most {MAX_POOL_PORTS} ranks on a node")
+    selector = {LWS_NAME_LABEL: name, SERVING_LABELS[0]: "true"}
+    return [
+        {"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool", "metadata": {"name": name},
+         "spec": {"selector": {"matchLabels": selector}, "targetPorts": [{"number": port} for _, port in ports],
+                  "endpointPickerRef": {"name": f"{name}-epp", "port": {"number": ENDPOINT_PICKER_PORT}}}},
+        {"apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor", "metadata": {"name": name},
+         "spec": {"selector": {"matchLabels": selector},
+                  "podMetricsEndpoints": [{"port": port_name, "path": "/metrics", "interval": "15s"}
+                                          for port_name, _ in ports]}},
+    ]

@@ -32,11 +32,13 @@ A part that dies more than ``MAX_RESTARTS`` times in ``RESTART_WINDOW_S`` is lef
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import multiprocessing
 import os
 import shutil
+import signal
 import time
 from multiprocessing.connection import wait
 
@@ -56,6 +58,7 @@ from hybridlb.engine.spawn import (
     wait_until_ready,
 )
 from hybridlb.launch.handshake import ClusterError, HeadHandshake, NodeLink, registration
+from hybridlb.launch.supervisor import Supervisor, local_url
 from hybridlb.netaddr import route_to
 from hybridlb.plan import ClusterPlan, NodePlan
 from hybridlb.protocol import NodeAccepted
@@ -86,6 +89,7 @@ class Node:
         self.apis: list[multiprocessing.Process] = []
         self.api_args: list[tuple] = []
         self.restarts: dict[str, list[float]] = {}
+        self.supervisor: Supervisor | None = None
         self.token = cluster_token(config.data_parallel.cluster_token)
         self.started = False
         self.stopping = False
@@ -106,8 +110,16 @@ class Node:
             return f"tcp://{self.address}:{self.plan.engine_port(rank)}"
         return f"ipc://{self.runtime_dir}/engine-{rank}"
 
+    @property
+    def keeps_ranks_alive(self) -> bool:
+        """Multi-port, dense: a rank's API server or engine that dies is brought back in place
+        whatever restart_policy says (the supervisor answers 503 meanwhile), where vLLM would
+        tear down the node; an expert-parallel group still fails together."""
+        return self.plan.mode == "multi_port" and not self.plan.lockstep
+
     # -- start ------------------------------------------------------------------------
     def start(self, timeout_s: float = 600) -> None:
+        self._start_supervisor()
         shared = self._coordination()
         threads = default_torch_threads(self.config.engine, len(self.node.ranks))
         cores = node_core_share(self.config.engine, self.runtime_dir, "cores", len(self.node.ranks))
@@ -123,6 +135,25 @@ class Node:
         addresses = self._barrier({e.rank: e.address for e in self.engines}, timeout_s)
         self._start_api_servers(addresses, shared.coordinator_loads, timeout_s)
         self.started = True
+
+    def _start_supervisor(self) -> None:
+        """Multi-port: answer the node's probes (503 until every rank is up) from the start."""
+        if self.node.supervisor_port is None:
+            return
+        lb = self.config.lb
+        host = self.config.api.host
+        children = {api.ranks[0]: local_url(host, api.port) for api in self.node.api_servers}
+        self.supervisor = Supervisor(host, self.node.supervisor_port, children, lb.supervisor_probe_interval_s,
+                                     lb.supervisor_probe_timeout_s, lb.supervisor_probe_failure_threshold,
+                                     pid_of=self._api_pid)
+        self.supervisor.start()
+        log.info("supervisor of ranks %s at http://%s:%d/readyz", list(children), host, self.node.supervisor_port)
+
+    def _api_pid(self, rank: int) -> int | None:
+        for process, (_, spec, *_) in zip(self.apis, self.api_args, strict=False):
+            if spec.engines[0][0] == rank:
+                return process.pid
+        return None
 
     def _coordination(self) -> NodeAccepted:
         """Start (head) or join (other nodes) what the cluster shares; return its addresses."""
@@ -156,7 +187,8 @@ class Node:
     def _start_coordinator(self) -> None:
         self.coordinator = _spawn.Process(target=run_coordinator, args=self.coordinator_args,
                                           name="hybridlb:coordinator", daemon=True)
-        self.coordinator.start()
+        with lifecycle.spawning():
+            self.coordinator.start()
 
     def _barrier(self, local: dict[int, str], timeout_s: float) -> dict[int, str]:
         """Wait until every rank of the cluster is up; return the engine address of each rank."""
@@ -202,7 +234,8 @@ class Node:
         config, spec, host, port, shared = self.api_args[index]
         process = _spawn.Process(target=run_api_server, name=f"hybridlb:{spec.name}", daemon=True,
                                  args=(config, spec, host, port, shared, ready))
-        process.start()
+        with lifecycle.spawning():
+            process.start()
         return process
 
     # -- run and stop -------------------------------------------------------------------
@@ -233,7 +266,8 @@ class Node:
 
     def _may_restart(self, part: str) -> bool:
         """Whether the policy allows bringing ``part`` back now (no crash loop)."""
-        if self.config.data_parallel.restart_policy != "restart" or self.stopping:
+        wanted = self.config.data_parallel.restart_policy == "restart" or self.keeps_ranks_alive
+        if not wanted or self.stopping:
             return False
         now = time.monotonic()
         recent = [t for t in self.restarts.get(part, []) if now - t < RESTART_WINDOW_S]
@@ -247,6 +281,7 @@ class Node:
         engine = self.engines[index]
         part = f"engine {engine.rank}"
         log.error("%s exited with code %s", part, engine.process.exitcode)
+        self._rank_down(engine.rank, f"{part} exited with code {engine.process.exitcode}")
         if self.plan.lockstep:
             if self.config.data_parallel.restart_policy == "restart":
                 self.exit_reason = (f"{part} died and broke the expert-parallel group; exiting so that the "
@@ -265,10 +300,15 @@ class Node:
             self._start_coordinator()
         return True
 
+    def _rank_down(self, rank: int, why: str) -> None:
+        if self.supervisor is not None and rank in self.supervisor.children:
+            self.supervisor.mark_down(rank, why)
+
     def _api_died(self, index: int) -> bool:
         process = self.apis[index]
         part = process.name.removeprefix("hybridlb:")
         log.error("%s exited with code %s", part, process.exitcode)
+        self._rank_down(self.api_args[index][1].engines[0][0], f"{part} exited with code {process.exitcode}")
         if self._may_restart(part):
             log.warning("restarting %s", part)
             self.apis[index] = self._spawn_api(index)
@@ -276,8 +316,22 @@ class Node:
         self.exit_reason = f"{part} exited with code {process.exitcode}; stopping the node"
         return False
 
+    def request_stop(self) -> None:
+        """Signal-safe: make ``wait`` (and a start-up wait) return."""
+        self.stopping = True
+
+    def kill(self) -> None:
+        """Now, without waiting: SIGKILL every process of this node and remove its runtime directory."""
+        for process in [*self.apis, self.coordinator, *(engine.process for engine in self.engines)]:
+            if process is not None and process.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process.pid, signal.SIGKILL)
+        shutil.rmtree(self.runtime_dir, ignore_errors=True)
+
     def stop(self) -> None:
         """SIGTERM everything at once (in-flight requests fail either way), then reap."""
+        if self.supervisor is not None:
+            self.supervisor.begin_shutdown()
         if self.handshake is not None:
             self.handshake.stop("the head node is shutting down")
         for process in [*self.apis, self.coordinator]:
@@ -292,6 +346,8 @@ class Node:
                     process.join()
         if self.link is not None:
             self.link.close()
+        if self.supervisor is not None:
+            self.supervisor.stop()
         shutil.rmtree(self.runtime_dir, ignore_errors=True)
 
 
@@ -301,33 +357,37 @@ def _ready_line(node: NodePlan) -> str:
     if node.headless:
         return f"node {node.index} (headless) is up with {ranks}"
     urls = sorted({f"http://{a.host}:{a.port}/v1" for a in node.api_servers})
-    return f"node {node.index} serves {ranks} at {', '.join(urls)}"
+    supervisor = "" if node.supervisor_port is None else \
+        f"; its supervisor answers at http://{node.api_servers[0].host}:{node.supervisor_port}/readyz"
+    return f"node {node.index} serves {ranks} at {', '.join(urls)}{supervisor}"
 
 
 def serve(config: Config, plan: ClusterPlan, node: NodePlan) -> int:
-    """Run this node until SIGTERM / Ctrl-C; return the process exit code."""
+    """Run this node until SIGTERM / Ctrl-C; return the process exit code. A signal while it
+    starts stops what started so far; a second one kills it all at once."""
     lifecycle.set_title("hybridlb:serve")
     lifecycle.configure_logging(f"hybridlb:serve:{node.index}")
     runner = Node(config, plan, node)
-
-    def terminate() -> None:
-        if not runner.stopping:
-            log.info("stopping")
-        runner.stopping = True
-        if not runner.started:  # still starting: interrupt whatever start-up is waiting on
-            raise NodeStartError("interrupted while starting")
-
-    lifecycle.on_terminate(terminate)
+    signals = lifecycle.StopSignals(f"node {node.index} (its engines, API servers and coordinator)", runner.kill,
+                                    on_stop=runner.request_stop)
     try:
         runner.start()
+        signals.starting = False
         simulated = ", SIMULATED engines: no model runs" if config.engine.simulate is not None else ""
         print(f"hybridlb is ready: {_ready_line(node)} (model {config.served_model_name!r}{simulated})", flush=True)
         code = runner.wait()
         if runner.exit_reason:
             log.error("%s", runner.exit_reason)
         return code
+    except lifecycle.Interrupted as exc:
+        log.info("%s: nothing served", exc)
+        return 1
     except NodeStartError as exc:
+        if signals.requested:  # a start-up wait that gave up because of the stop
+            log.info("stopped while starting")
+            return 1
         log.error("%s", exc)
         return 1
     finally:
+        signals.starting = False
         runner.stop()

@@ -176,3 +176,25 @@ class ApiServerActor(_ThreadedActor):
 
     def __repr__(self) -> str:
         return f"api {self.spec.name} node={self.spec.node} ranks={[r for r, _ in self.spec.engines]}"
+
+
+@ray.remote(num_cpus=0)
+class SupervisorActor:
+    """Multi-port: a node's supervisor (``hybridlb.launch.supervisor``), answering probes for its ranks."""
+
+    def __init__(self, cluster: str, node: int, host: str, port: int, children: dict[int, str], interval_s: float,
+                 timeout_s: float, failure_threshold: int):
+        from hybridlb.launch.supervisor import Supervisor
+
+        self.cluster, self.node = cluster, node
+        self.supervisor = Supervisor(host, port, children, interval_s, timeout_s, failure_threshold)
+        self.supervisor.start()
+
+    def view(self) -> dict:
+        return self.supervisor.view()
+
+    def stop(self) -> None:
+        self.supervisor.stop()
+
+    def __repr__(self) -> str:
+        return f"supervisor node={self.node} ranks={sorted(self.supervisor.children)} cluster={self.cluster}"

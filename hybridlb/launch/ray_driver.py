@@ -17,8 +17,9 @@ import logging
 import math
 import os
 import signal
-import threading
+import socket
 import time
+from collections.abc import Callable
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -34,9 +35,11 @@ from hybridlb.launch.ray_actors import (
     ApiServerActor,
     CoordinatorActor,
     EngineActor,
+    SupervisorActor,
     free_ports,
     remove_runtime_dir,
 )
+from hybridlb.launch.supervisor import local_url
 from hybridlb.plan import ClusterPlan, NodePlan
 from hybridlb.transport import cluster_token
 
@@ -51,16 +54,92 @@ def actor_name(cluster: str, role: str, index: int | str | None = None) -> str:
     return f"hybridlb:{cluster}:{role}" + ("" if index is None else f":{index}")
 
 
+_ray_context = None  # what ray.init returned (its dashboard URL)
+
+
 def connect(address: str | None, namespace: str, num_cpus: float | None = None) -> None:
     """Join the Ray cluster at ``address``, or start a private local one with at least
     ``num_cpus`` logical CPUs (Ray's unit of placement, not a thread count: engines set
     their torch threads themselves), so the config fits however many cores this machine has."""
+    global _ray_context
     if ray.is_initialized():
         return
     local = {}
     if not address:
         local = {"num_cpus": max(os.cpu_count() or 1, math.ceil(num_cpus or 0)), "include_dashboard": True}
-    ray.init(address=address or "local", namespace=namespace, log_to_driver=False, **local)
+    _ray_context = ray.init(address=address or "local", namespace=namespace, log_to_driver=False, **local)
+
+
+def ray_address_file() -> str:
+    """Where ``ray start`` records the address of this machine's Ray cluster (Ray's own rule)."""
+    temp = os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp"
+    return os.path.join(temp, "ray", "ray_current_cluster")
+
+
+def attach(address: str | None, namespace: str) -> None:
+    """Join a running Ray cluster for ``status`` / ``down``: ``address``, else ``RAY_ADDRESS``, else
+    the one ``ray start`` recorded on this machine. UpError with one line saying why not (none
+    running, a stale address file, the cluster's token needed), never a Ray traceback."""
+    if ray.is_initialized():
+        return
+    source = "--address"
+    if not address:
+        address, source = os.environ.get("RAY_ADDRESS"), "RAY_ADDRESS"
+    if not address or address == "auto":
+        address, source = _recorded_address(), ray_address_file()
+    if not address:
+        raise UpError("no Ray cluster is running on this machine (nothing recorded in "
+                      f"{ray_address_file()}); a cluster `hybridlb up` started without --address is private to "
+                      "that command: ask its API server with `hybridlb status --url http://127.0.0.1:8000`")
+    host, _, port = address.rpartition(":")
+    if not port.isdigit() or not _answers(host or "127.0.0.1", int(port)):
+        stale = "" if source in ("--address", "RAY_ADDRESS") else \
+            " (a stale address file, left by a cluster that is gone: ignored; remove it, or pass --address)"
+        raise UpError(f"no Ray cluster answers at {address}, the address from {source}{stale}")
+    try:
+        ray.init(address=address, namespace=namespace, log_to_driver=False, logging_level=logging.ERROR)
+    except Exception as exc:  # Ray raises many kinds here; the user needs one line, not its stack
+        raise UpError(_attach_failure(address, exc)) from None
+
+
+def _recorded_address() -> str | None:
+    try:
+        with open(ray_address_file()) as handle:
+            return handle.read().strip() or None
+    except OSError:
+        return None
+
+
+def _answers(host: str, port: int) -> bool:
+    """Whether anything accepts a TCP connection at host:port (a cluster that is gone does not)."""
+    try:
+        socket.create_connection((host, port), timeout=3).close()
+        return True
+    except OSError:
+        return False
+
+
+def _attach_failure(address: str, exc: Exception) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if "authentication" in str(exc).lower() or "token" in str(exc).lower():
+        return (f"the Ray cluster at {address} requires its authentication token: run this where `ray "
+                "get-auth-token` prints it (~/.ray/auth_token), or set RAY_AUTH_TOKEN to it")
+    return f"cannot join the Ray cluster at {address}: {type(exc).__name__}: {text[:300]}"
+
+
+def wait_for(refs, timeout_s: float, check: Callable[[], None]):
+    """``ray.get(refs)``, waiting in short slices and calling ``check()`` between them (it raises to
+    give up: a stop asked for). A signal handler cannot raise out of Ray's own blocking wait, so a
+    launcher that must stop mid start-up polls instead."""
+    pending = refs if isinstance(refs, list) else [refs]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        _, waiting = ray.wait(pending, num_returns=len(pending), timeout=0.25)
+        if not waiting:
+            return ray.get(refs)
+        check()
+        if time.monotonic() > deadline:
+            raise ray.exceptions.GetTimeoutError(f"not ready within {timeout_s:.0f} s")
 
 
 class Placement:
@@ -98,13 +177,16 @@ class Placement:
                 raise UpError(f"node {index} needs {bundle} but no Ray node has that much (largest: {largest} CPUs); "
                               "lower data_parallel ranks per node, ray.cpus_per_engine, or add resources")
 
-    def reserve(self, name: str, detached: bool, timeout_s: float) -> None:
+    def reserve(self, name: str, detached: bool, timeout_s: float, check: Callable[[], None]) -> None:
         strategy = "STRICT_SPREAD" if len(self.bundles) > 1 else "PACK"
         self.group = placement_group(self.bundles, strategy=strategy, name=name,
                                      lifetime="detached" if detached else None)
-        if not self.group.wait(timeout_seconds=timeout_s):
+        try:
+            wait_for(self.group.ready(), timeout_s, check)
+        except ray.exceptions.GetTimeoutError:
             raise UpError(f"Ray could not place {len(self.bundles)} bundles {self.bundles} within {timeout_s:.0f} s; "
-                          "other clusters or tasks may hold the resources (see `hybridlb status` / `ray status`)")
+                          "other clusters or tasks may hold the resources (see `hybridlb status` / `ray status`)") \
+                from None
 
     def on(self, node: int) -> PlacementGroupSchedulingStrategy:
         return PlacementGroupSchedulingStrategy(placement_group=self.group, placement_group_bundle_index=node)
@@ -113,9 +195,12 @@ class Placement:
 class RayCluster:
     """The actors of one ``up``, started in order and stopped together."""
 
-    def __init__(self, config: Config, plan: ClusterPlan, detached: bool, private: bool = False):
+    def __init__(self, config: Config, plan: ClusterPlan, detached: bool, private: bool = False,
+                 check: Callable[[], None] = lambda: None):
         """``private``: on the one-machine Ray cluster ``up`` started itself, so every socket
-        binds loopback (as ``serve``'s defaults do)."""
+        binds loopback (as ``serve``'s defaults do). ``check()`` raises to abandon the start-up
+        (called between short waits)."""
+        self.check = check
         self.config, self.plan, self.detached = config, plan, detached
         self.host = "127.0.0.1" if private else None
         self.name = config.ray.name
@@ -124,7 +209,10 @@ class RayCluster:
         self.engines: dict[int, object] = {}
         self.apis: list[tuple[NodePlan, object]] = []
         # restart_policy restart: Ray restarts any actor that dies (a MoE group: see Engine).
-        self.restarts = -1 if config.data_parallel.restart_policy == "restart" else 0
+        # Multi-port keeps a dense node's ranks alive whatever the policy (as ``serve`` does).
+        keep = config.data_parallel.restart_policy == "restart" or (plan.mode == "multi_port" and not plan.lockstep)
+        self.restarts = -1 if keep else 0
+        self.supervisors: list[object] = []
         self.token = cluster_token(config.data_parallel.cluster_token)  # actors may not share our environment
 
     def _options(self, role: str, index=None, node: int = 0, **resources) -> dict:
@@ -135,28 +223,29 @@ class RayCluster:
     def start(self) -> None:
         timeout = self.config.ray.ready_timeout_s
         self.placement.check_fits()
-        self.placement.reserve(actor_name(self.name, "pg"), self.detached, timeout)
+        self.placement.reserve(actor_name(self.name, "pg"), self.detached, timeout, self.check)
         shared = self._start_coordinator()
         self._start_engines(shared)
-        addresses = dict(zip(self.engines, ray.get([e.address.remote() for e in self.engines.values()],
-                                                   timeout=timeout), strict=True))
+        addresses = dict(zip(self.engines, wait_for([e.address.remote() for e in self.engines.values()],
+                                                    timeout, self.check), strict=True))
         self._start_api_servers(addresses, shared.get("loads"))
-        ready = ray.get([api.wait_ready.remote(timeout) for _, api in self.apis], timeout=timeout + 10)
+        self._start_supervisors()
+        ready = wait_for([api.wait_ready.remote(timeout) for _, api in self.apis], timeout + 10, self.check)
         if not all(ready):
             raise UpError("an API server never saw all of its engines ready")
 
     def _start_coordinator(self) -> dict:
         if not self.plan.coordinator:
             return {}
-        ip, ports = ray.get(free_ports.options(scheduling_strategy=self.placement.on(0)).remote(4, self.host),
-                            timeout=60)
+        ip, ports = wait_for(free_ports.options(scheduling_strategy=self.placement.on(0)).remote(4, self.host), 60,
+                             self.check)
         if self.host is None and not self.token:
             log.warning("no cluster token: the coordinator listens on %s, beyond loopback, and any host that "
                         "reaches it can inject load stats; set data_parallel.cluster_token", ip)
         options = self._options("coordinator", num_cpus=0, max_restarts=self.restarts)
         self.coordinator = CoordinatorActor.options(**options).remote(self.name, self.plan.size, self.plan.lockstep,
                                                                  ip, ports, self.token)
-        return ray.get(self.coordinator.addresses.remote(), timeout=60)
+        return wait_for(self.coordinator.addresses.remote(), 60, self.check)
 
     def _start_engines(self, shared: dict) -> None:
         cfg = self.config
@@ -185,6 +274,18 @@ class RayCluster:
                 actor = ApiServerActor.options(**options).remote(self.name, self.config, spec, api.host, api.port,
                                                             ports.count(api.port) > 1)
                 self.apis.append((node, actor))
+
+    def _start_supervisors(self) -> None:
+        """Multi-port: one supervisor per node, beside its ranks' API servers (``launch.supervisor``)."""
+        lb = self.config.lb
+        for node in self.plan.nodes:
+            if node.supervisor_port is None:
+                continue
+            children = {api.ranks[0]: local_url(api.host, api.port) for api in node.api_servers}
+            options = self._options("supervisor", node.index, node.index, num_cpus=0, max_restarts=-1)
+            self.supervisors.append(SupervisorActor.options(**options).remote(
+                self.name, node.index, node.api_servers[0].host, node.supervisor_port, children,
+                lb.supervisor_probe_interval_s, lb.supervisor_probe_timeout_s, lb.supervisor_probe_failure_threshold))
 
     def table(self) -> str:
         urls = ray.get([api.url.remote() for _, api in self.apis])
@@ -215,32 +316,80 @@ def up(config: Config, plan: ClusterPlan, detach: bool) -> int:
         raise UpError("--detach needs a Ray cluster that outlives this command: start one with "
                       "`ray start --head` and pass --address auto")
     private = not config.ray.address  # a local Ray cluster of our own, gone when we return
-    connect(config.ray.address, config.ray.namespace, sum(b["CPU"] for b in Placement(config, plan).bundles))
-    if actor_name(config.ray.name, "pg") in _named(config.ray.namespace, prefix=f"hybridlb:{config.ray.name}:"):
-        raise UpError(f"a cluster named {config.ray.name!r} is already up; `hybridlb down {config.ray.name}` first")
-    cluster = RayCluster(config, plan, detach, private)
-    stop = threading.Event()
+    what = f"cluster {config.ray.name!r}" + (" and its private Ray cluster" if private else "")
+    force = _kill_private if private else lambda: None
+    connecting = True
+
+    def on_stop() -> None:
+        # While Ray itself starts, nothing of the cluster exists yet, and ray.init cannot be interrupted
+        # (the same Ctrl-C may have killed the daemons it waits for): drop what it started, now.
+        if connecting:
+            force()
+            os._exit(1)
+
+    # Ray's waits cannot take an exception from a signal handler: start-up polls the signals instead.
+    signals = lifecycle.StopSignals(what, force=force, on_stop=on_stop, interrupt=False)
+    cluster = None
     started = time.monotonic()
     try:
+        connect(config.ray.address, config.ray.namespace, sum(b["CPU"] for b in Placement(config, plan).bundles))
+        connecting = False
+        signals.install()  # ray.init sets a SIGTERM handler of its own
+        signals.check()
+        if actor_name(config.ray.name, "pg") in _named(config.ray.namespace, prefix=f"hybridlb:{config.ray.name}:"):
+            raise UpError(f"a cluster named {config.ray.name!r} is already up; `hybridlb down {config.ray.name}` "
+                          "first")
+        cluster = RayCluster(config, plan, detach, private, check=signals.check)
         cluster.start()
+        signals.starting = False
         print(f"hybridlb cluster {config.ray.name!r} is ready in {time.monotonic() - started:.1f} s "
-              f"(model {config.served_model_name!r}, {plan.mode} LB, {plan.size} ranks)\n{cluster.table()}", flush=True)
+              f"(model {config.served_model_name!r}, {plan.mode} LB, {plan.size} ranks)\n{cluster.table()}\n"
+              f"{_dashboard_line(private)}", flush=True)
         if detach:
             print(f"detached: `hybridlb status {config.ray.name}` / `hybridlb down {config.ray.name}`", flush=True)
             return 0
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
-        while not stop.wait(1.0):
-            pass
+        while not signals.requested:
+            time.sleep(0.2)
         return 0
+    except lifecycle.Interrupted:
+        detach = False
+        return 1
+    except Exception as exc:
+        detach = False
+        if not signals.requested:
+            raise
+        # The Ctrl-C reached Ray's own processes too (the terminal's whole group) and one starting
+        # gave up: that is the stop asked for, not a failure to report.
+        log.info("stopped while starting (%s)", type(exc).__name__)
+        return 1
     except BaseException:
         detach = False
         raise
     finally:
-        if not detach:
+        signals.starting = False
+        if cluster is not None and not detach:
             cluster.stop()
-        if private:
+        if private and ray.is_initialized():
             _shutdown_private()
+
+
+def _dashboard_line(private: bool) -> str:
+    """Where the Ray dashboard is and how to open it (Ray asks for its token when token auth is on)."""
+    url = getattr(_ray_context, "dashboard_url", None) or ""
+    if not url:
+        return "Ray dashboard: not running (start Ray with its dashboard to see the actors)"
+    line = f"Ray dashboard: {url if url.startswith('http') else 'http://' + url}"
+    if os.environ.get("RAY_AUTH_MODE", "").lower() == "token":
+        line += (" - it asks for this cluster's token: `ray get-auth-token` prints it (it is kept in "
+                 "~/.ray/auth_token)")
+    return line + ("; it closes with this command" if private else "")
+
+
+def _kill_private() -> None:
+    """Ctrl-C twice: SIGKILL the private Ray cluster (every process this driver started) now."""
+    for pid in lifecycle.descendants():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _shutdown_private() -> None:
@@ -272,7 +421,7 @@ def _groups(prefix: str) -> list[str]:
 
 def status(name: str, address: str | None, namespace: str) -> list[dict]:
     """Every actor of cluster ``name``: its state, node and (engines) load."""
-    connect(address or "auto", namespace)
+    attach(address, namespace)
     from ray.util.state import list_actors
 
     prefix = f"hybridlb:{name}:"
@@ -294,7 +443,7 @@ def status(name: str, address: str | None, namespace: str) -> list[dict]:
 
 def down(name: str, address: str | None = None, namespace: str = "hybridlb", quiet: bool = False) -> int:
     """Stop and remove every actor and the placement group of cluster ``name``."""
-    connect(address or "auto", namespace)
+    attach(address, namespace)
     prefix = f"hybridlb:{name}:"
     names = [n for n in _named(namespace, prefix) if not n.endswith(":pg")]
     for actor_id in names:

@@ -111,6 +111,22 @@ def test_pinned_rank_on_another_node_is_refused(hybrid):
     assert pinned.status_code == 200
 
 
+def test_the_rank_header_also_takes_a_local_index_as_vllm_router_sends_it(hybrid):
+    """vllm-router --intra-node-data-parallel-size 2 pins with 0 and 1 on every node URL: on the
+    worker (ranks 2 and 3) they name its first and second rank; its own global ranks work too."""
+    head, worker = hybrid
+    body = {"model": head.model, "prompt": "pinned", "max_tokens": 2}
+    before = served_per_engine(worker.url)
+    for header in ("0", "1", "1", "3"):
+        response = httpx.post(f"{worker.url}/v1/completions", headers={"X-data-parallel-rank": header}, json=body)
+        assert response.status_code == 200, response.text
+    after = served_per_engine(worker.url)
+    assert after[2] - before.get(2, 0) == 1 and after[3] - before.get(3, 0) == 3
+    refused = httpx.post(f"{worker.url}/v1/completions", headers={"X-data-parallel-rank": "4"}, json=body)
+    message = refused.json()["error"]["message"]
+    assert refused.status_code == 400 and "ranks 2, 3" in message and "local index" in message
+
+
 def test_skewed_load_keeps_every_engine_busy(hybrid):
     head, worker = hybrid
     before = {**generated_per_engine(head.url), **generated_per_engine(worker.url)}

@@ -1,0 +1,101 @@
+"""Multi-port mode (vLLM's `--data-parallel-multi-port-external-lb`, llm-d's pod shape since
+mid-2026): one API server per local rank on `--port + i`, and one node supervisor whose
+`/health` and `/readyz` carry the pod's probes for every rank."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.servers import Server, completion, free_port, free_port_range, start_servers
+
+
+def _supervisor(url: str) -> tuple[int, dict]:
+    response = httpx.get(url, timeout=5)
+    return response.status_code, response.json()
+
+
+@pytest.fixture(scope="module")
+def node(tiny_qwen3):
+    port, supervisor = free_port_range(2), free_port()
+    server = Server(tiny_qwen3, "--data-parallel-size", "2", "--data-parallel-multi-port-external-lb",
+                    "--data-parallel-supervisor-port", str(supervisor), "--dp-supervisor-probe-interval-s", "0.5",
+                    "--dp-supervisor-probe-timeout-s", "2", port=port)
+    start_servers(server)
+    yield server, f"http://127.0.0.1:{supervisor}"
+    assert server.stop() == 0
+
+
+def test_each_rank_has_its_own_port_and_the_supervisor_answers_for_the_node(node):
+    server, supervisor = node
+    for i in (0, 1):
+        url = f"http://127.0.0.1:{server.port + i}"
+        assert httpx.get(f"{url}/ranks").json()["ranks"] == [i]
+        completion(url, server.model, "GPU")
+    for path in ("/health", "/ready", "/readyz"):
+        status, view = _supervisor(f"{supervisor}{path}")
+        assert status == 200 and view["status"] == "ready", view
+        assert {rank: entry["up"] for rank, entry in view["ranks"].items()} == {"0": True, "1": True}
+    assert httpx.get(f"{supervisor}/v1/models").status_code == 404
+    assert "its supervisor answers at" in server.output
+
+
+def test_a_rank_header_naming_another_rank_is_ignored_on_a_rank_port(node):
+    """A gateway that pins ranks by local index sends 0 or 1 to every node URL: a rank's own
+    server serves it whatever the header says (as vLLM's children do)."""
+    server, _ = node
+    url = f"http://127.0.0.1:{server.port + 1}"
+    for header in ("0", "1", "7"):
+        response = httpx.post(f"{url}/v1/completions", headers={"X-data-parallel-rank": header}, timeout=60,
+                              json={"model": server.model, "prompt": "GPU", "max_tokens": 2})
+        assert response.status_code == 200, response.text
+
+
+def test_a_killed_rank_turns_the_node_unready_at_once_and_comes_back(node):
+    server, supervisor = node
+    _, view = _supervisor(f"{supervisor}/readyz")
+    pid = view["ranks"]["1"]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    while (status := _supervisor(f"{supervisor}/readyz")[0]) == 200:
+        assert time.monotonic() - killed < 0.5, "still ready half a probe interval after a rank died"
+        time.sleep(0.05)
+    assert status == 503
+    assert _supervisor(f"{supervisor}/health")[0] == 503
+    while _supervisor(f"{supervisor}/readyz")[0] != 200:
+        assert time.monotonic() - killed < 60, "the rank did not come back"
+        time.sleep(0.2)
+    _, view = _supervisor(f"{supervisor}/readyz")
+    assert view["ranks"]["1"]["pid"] != pid
+    completion(f"http://127.0.0.1:{server.port + 1}", server.model, "back")
+
+
+def _dry_run(model: str, *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hybridlb", "serve", model, *flags, "--dry-run"],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_vllm_rules_for_multi_port_each_with_its_fix(tiny_qwen3):
+    ok = _dry_run(tiny_qwen3, "-dp", "4", "-dpl", "2", "-dpr", "2", "-dpm", "--port", "8200",
+                  "--data-parallel-supervisor-port", "8208")
+    assert ok.returncode == 0, ok.stderr
+    assert "api:1.0@127.0.0.1:8200→[2], api:1.1@127.0.0.1:8201→[3], supervisor :8208" in ok.stdout
+    assert "mode: multi_port" in ok.stdout and "coordinator: tcp://" in ok.stdout
+    for flags, problem in (
+        (["-dp", "1", "-dpm"], "needs --data-parallel-size of at least 2"),
+        (["-dp", "4", "-dpl", "1", "-dpm"], "needs --data-parallel-size-local of at least 2"),
+        (["-dp", "3", "-dpl", "2", "-dpm"], "is not a multiple of --data-parallel-size-local"),
+        (["-dp", "2", "-dpm", "--port", "9000", "--data-parallel-supervisor-port", "9001"],
+         "overlaps the ranks' ports 9000-9001"),
+        (["-dp", "2", "-dpm", "--api-server-count", "2"], "exactly one API server per rank"),
+        (["-dp", "2", "-dpm", "-dph"], "cannot be combined with --data-parallel-multi-port-external-lb"),
+    ):
+        run = _dry_run(tiny_qwen3, *flags)
+        assert run.returncode != 0 and problem in run.stderr, (flags, run.stderr)
+        assert "Traceback" not in run.stderr
