@@ -8,6 +8,7 @@ resolved them, never back in here.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -73,15 +74,32 @@ class KVEventsConfig(_Section):
     hwm: int = Field(100000, ge=0, description="PUB high-water mark (messages queued per subscriber).")
     max_queue_size: int = Field(100000, ge=1, description="Accepted for vLLM's spelling; events are sent "
                                 "from the engine loop without a queue.")
-    topic: str = Field("", description="First frame of every message; llm-d expects kv@<pod>@<model>.")
+    topic: str = Field("", description="First frame of every message; llm-d's indexer expects "
+                       "kv@<pod ip>:<port>@<model>. Each engine fills in {rank}, {port} (the HTTP port its requests "
+                       "come in on: one per rank in multi_port mode) and {model}, and $VARS from its environment "
+                       "(e.g. kv@${POD_IP}:{port}@{model}).")
 
     @property
     def enabled(self) -> bool:
         return self.enable_kv_cache_events and self.publisher != "null"
 
+    def for_rank(self, rank: int, port: int | None, model: str) -> KVEventsConfig:
+        """This config as engine ``rank`` publishes it: its topic filled in."""
+        if not self.topic:
+            return self
+        fields = {"rank": rank, "port": "" if port is None else port, "model": model}
+        return self.model_copy(update={"topic": os.path.expandvars(self.topic).format(**fields)})
+
 
 class EngineConfig(_Section):
     """What one engine (one data-parallel rank) needs to load a model and run it."""
+
+    def for_rank(self, rank: int, port: int | None, served_name: str) -> EngineConfig:
+        """This config as engine ``rank`` runs it (KV-event topics filled in, see KVEventsConfig)."""
+        if self.kv_events is None:
+            return self
+        return self.model_copy(update={"kv_events": self.kv_events.for_rank(rank, port, served_name)})
+
 
     model: str = Field(description="The checkpoint (never downloaded): a Hugging Face directory, a .gguf file "
                        "(or a directory holding one), or package:DIST/PATH for a file inside an installed package.")

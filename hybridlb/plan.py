@@ -53,6 +53,10 @@ class NodePlan:
     def is_head(self) -> bool:
         return self.start_rank == 0
 
+    def http_port(self, rank: int) -> int | None:
+        """The HTTP port requests for ``rank`` come in on here (None: no API server on this node serves it)."""
+        return next((api.port for api in self.api_servers if rank in api.ranks), None)
+
     def summary(self) -> str:
         """One line: its index, ranks and API servers (``serve --dry-run``)."""
         servers = ", ".join(f"{a.name}@{a.host}:{a.port}→{list(a.ranks)}" for a in self.api_servers)

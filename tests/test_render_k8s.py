@@ -216,3 +216,17 @@ def test_multi_port_renders_llm_d_s_pod_shape(tmp_path, tiny_qwen3):
     plan = subprocess.run([sys.executable, "-m", "hybridlb", "plan", *argv[2:]], capture_output=True, text=True)
     assert plan.returncode == 0, plan.stderr
     assert "api:1.0@0.0.0.0:8200→[2], api:1.1@0.0.0.0:8201→[3]; supervisor :8208" in plan.stdout
+
+
+def test_multi_port_pods_publish_kv_events_under_llm_d_s_topic(tmp_path, tiny_qwen3):
+    path = tmp_path / "lws.yaml"
+    path.write_text(f"engine: {{model: {tiny_qwen3}, kv_events: {{enable_kv_cache_events: true}}}}\n"
+                    "data_parallel: {size: 4, size_local: 2}\n")
+    run = subprocess.run([sys.executable, "-m", "hybridlb", "render", "k8s", str(path), "--lb", "multi-port"],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    docs = list(yaml.safe_load_all(run.stdout))
+    shared = yaml.safe_load(docs[0]["data"]["config.yaml"])
+    assert shared["engine"]["kv_events"]["topic"] == "kv@${POD_IP}:{port}@{model}"  # each rank fills its port in
+    container = docs[1]["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0]
+    assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in container["env"]

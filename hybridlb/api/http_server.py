@@ -96,9 +96,9 @@ def run_api_server(config: Config, spec: ApiServerSpec, host: str, port: int, sh
     lifecycle.configure_logging(title)
     lifecycle.die_with_parent()
     lifecycle.leave_interrupts_to_the_launcher()
+    sock = listen(host, port, shared_port)  # first: from now on clients wait in the backlog, never refused
     use_shared_metrics(spec.metrics_dir)
     from hybridlb.api.app import create_app
 
-    sock = listen(host, port, shared_port)
     app = create_app(config, spec, on_ready=ready.set if ready is not None else None)
     make_server(app, config).run(sockets=[sock])

@@ -157,6 +157,8 @@ class Metrics:
         self.lost = Counter("hybridlb:lost_requests", "Requests failed after they reached an engine, by why: "
                             "engine_down, lost_output (a gap in the engine's messages), timeout (no output for "
                             "api.request_timeout_s), reader_error.", [*labels, "reason"], registry=r)
+        self.pinned = Counter("hybridlb:pinned_requests", "Requests pinned to this engine by X-data-parallel-rank "
+                              "(a gateway choosing the rank).", labels, registry=r)
         self.wave = g("hybridlb:dp_current_wave", "MoE lockstep: the current wave.", ["model_name"])
         self.waves_completed = g("hybridlb:dp_waves_completed", "MoE lockstep: waves completed.", ["model_name"])
 
@@ -201,6 +203,9 @@ class Metrics:
     def update_waves(self, snapshot: LoadSnapshot) -> None:
         self.wave.labels(model_name=self.model_name).set(snapshot.current_wave)
         self.waves_completed.labels(model_name=self.model_name).set(snapshot.waves_completed)
+
+    def pinned_request(self, rank: int) -> None:
+        self.of(self.pinned, rank).inc()
 
     def lost_requests(self, rank: int, reason: str, count: int = 1) -> None:
         self.of(self.lost, rank, reason).inc(count)

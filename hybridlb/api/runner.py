@@ -70,6 +70,8 @@ class RequestRunner:
         tried: set[int] = set()
         attempt, wire_id = 0, request_id  # each send has its own id: a late output of an earlier one is not this one's
         engine, queue = self.pool.submit(wire_id, prompt_ids, params, rank, tried)
+        if rank is not None:
+            self.metrics.pinned_request(rank)
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
         finished, yielded = False, False
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -115,6 +116,7 @@ def serve(
         **layout,
     })
 
+    cfg = _in_a_pod(cfg)
     ensure_checkpoint(cfg.engine)
     check_model_options(cfg)
     if cfg.engine.simulate is not None:
@@ -170,3 +172,12 @@ def _engine_summary(cfg) -> str:
     return (f"model {cfg.served_model_names}, dtype {dtype}"
             + (" (auto)" if engine.dtype == "auto" else "")
             + f", max_model_len {max_len}" + ("" if engine.max_model_len else " (the model's)"))
+
+
+def _in_a_pod(cfg):
+    """In a Kubernetes pod, with no --host or api.host: listen on every interface, as vLLM does, so the
+    kubelet's probes and the gateway reach it (elsewhere hybridlb keeps to loopback by default)."""
+    if "host" in cfg.api.model_fields_set or "KUBERNETES_SERVICE_HOST" not in os.environ:
+        return cfg
+    typer.secho("note: in a Kubernetes pod with no --host: listening on 0.0.0.0, as vLLM does", err=True)
+    return cfg.model_copy(update={"api": cfg.api.model_copy(update={"host": "0.0.0.0"})})

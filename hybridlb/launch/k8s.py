@@ -37,6 +37,9 @@ API_SERVER_GIB = 1.0
 UNREAD_MODEL_WEIGHTS_GIB = 16.0
 MAX_POOL_PORTS = 8  # targetPorts an InferencePool (inference.networking.k8s.io/v1) may list
 ENDPOINT_PICKER_PORT = 9002  # the gRPC port of llm-d's endpoint picker Service, NAME-epp
+# The topic llm-d's KV-cache indexer keys a pod's events by: its IP, the port of the rank (filled in
+# per engine), the model.
+LLM_D_KV_TOPIC = "kv@${POD_IP}:{port}@{model}"
 
 
 class RenderError(ValueError):
@@ -141,9 +144,14 @@ def _container(config: Config, plan: ClusterPlan, size_local: int, headless: boo
         "resources": resources, "volumeMounts": mounts,
         "ports": [{"containerPort": plan.rpc_port + i, "name": f"dp-{i}"} for i in range(5)],
     }
+    env = []
     if config.data_parallel.cluster_token:
-        container["env"] = [{"name": "HYBRIDLB_CLUSTER_TOKEN",
-                             "valueFrom": {"secretKeyRef": {"name": f"{name}-token", "key": "token"}}}]
+        env.append({"name": "HYBRIDLB_CLUSTER_TOKEN",
+                    "valueFrom": {"secretKeyRef": {"name": f"{name}-token", "key": "token"}}})
+    if _publishes_kv_events(config):  # the engines name their pod in their KV-event topic
+        env.append({"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
+    if env:
+        container["env"] = env
     if headless:
         return container
     port = config.api.port
@@ -212,6 +220,8 @@ def render(config: Config, plan: ClusterPlan, options: PodOptions = PodOptions()
     for per_node in ("nodes", "start_rank", "size_local", "headless", "node_address", "rank", "address",
                      "cluster_token"):
         dp.pop(per_node, None)
+    if _publishes_kv_events(config) and not config.engine.kv_events.topic:
+        shared["engine"]["kv_events"]["topic"] = LLM_D_KV_TOPIC
     documents = [{"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"{name}-config"},
                   "data": {"config.yaml": yaml.safe_dump(shared, sort_keys=False)}}]
     if config.data_parallel.cluster_token:
@@ -239,6 +249,10 @@ def render(config: Config, plan: ClusterPlan, options: PodOptions = PodOptions()
     if plan.mode == "multi_port":
         documents += _llm_d_objects(config, plan, name)
     return yaml.dump_all(documents, Dumper=_NoAliases, sort_keys=False)
+
+
+def _publishes_kv_events(config: Config) -> bool:
+    return config.engine.kv_events is not None and config.engine.kv_events.enabled
 
 
 def _serving_ports(config: Config, plan: ClusterPlan) -> list[tuple[str, int]]:

@@ -110,12 +110,13 @@ class Node:
             return f"tcp://{self.address}:{self.plan.engine_port(rank)}"
         return f"ipc://{self.runtime_dir}/engine-{rank}"
 
-    @property
-    def keeps_ranks_alive(self) -> bool:
-        """Multi-port, dense: a rank's API server or engine that dies is brought back in place
-        whatever restart_policy says (the supervisor answers 503 meanwhile), where vLLM would
-        tear down the node; an expert-parallel group still fails together."""
-        return self.plan.mode == "multi_port" and not self.plan.lockstep
+    def keeps_alive(self, part: str) -> bool:
+        """Multi-port brings a rank's dead part back in place whatever restart_policy says (the
+        supervisor answers 503 meanwhile), where vLLM tears down the node: its API server always,
+        its engine on a dense model (an expert-parallel group fails together, as everywhere)."""
+        if self.plan.mode != "multi_port":
+            return False
+        return part.startswith("api") or not self.plan.lockstep
 
     # -- start ------------------------------------------------------------------------
     def start(self, timeout_s: float = 600) -> None:
@@ -126,7 +127,8 @@ class Node:
         for rank, share in zip(self.node.ranks, cores, strict=True):
             dp = DPContext(rank, self.plan.size, shared.coordinator_stats, shared.coordinator_waves, shared.rendezvous,
                            self.token, self.address if self.plan.lockstep else None)
-            self.engine_args[rank] = (self.config.engine, rank, self.engine_address(rank), threads, dp, share)
+            engine = self.config.engine.for_rank(rank, self.node.http_port(rank), self.config.served_model_name)
+            self.engine_args[rank] = (engine, rank, self.engine_address(rank), threads, dp, share)
             self.engines.append(start_engine(*self.engine_args[rank]))
         try:
             wait_until_ready(self.engines, timeout_s, self.token)
@@ -134,6 +136,8 @@ class Node:
             raise NodeStartError(str(exc)) from None
         addresses = self._barrier({e.rank: e.address for e in self.engines}, timeout_s)
         self._start_api_servers(addresses, shared.coordinator_loads, timeout_s)
+        if self.supervisor is not None and not self.supervisor.wait_ready(60):
+            raise NodeStartError(f"the supervisor does not see every rank up: {self.supervisor.view()['ranks']}")
         self.started = True
 
     def _start_supervisor(self) -> None:
@@ -266,7 +270,7 @@ class Node:
 
     def _may_restart(self, part: str) -> bool:
         """Whether the policy allows bringing ``part`` back now (no crash loop)."""
-        wanted = self.config.data_parallel.restart_policy == "restart" or self.keeps_ranks_alive
+        wanted = self.config.data_parallel.restart_policy == "restart" or self.keeps_alive(part)
         if not wanted or self.stopping:
             return False
         now = time.monotonic()

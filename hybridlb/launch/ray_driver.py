@@ -208,10 +208,12 @@ class RayCluster:
         self.coordinator = None
         self.engines: dict[int, object] = {}
         self.apis: list[tuple[NodePlan, object]] = []
-        # restart_policy restart: Ray restarts any actor that dies (a MoE group: see Engine).
-        # Multi-port keeps a dense node's ranks alive whatever the policy (as ``serve`` does).
-        keep = config.data_parallel.restart_policy == "restart" or (plan.mode == "multi_port" and not plan.lockstep)
-        self.restarts = -1 if keep else 0
+        # restart_policy restart: Ray restarts any actor that dies (a MoE group: see EngineActor). Multi-port
+        # keeps a rank's API server alive whatever the policy, and a dense rank's engine (as ``serve`` does).
+        restart = config.data_parallel.restart_policy == "restart"
+        multi_port = plan.mode == "multi_port"
+        self.restarts = -1 if restart or (multi_port and not plan.lockstep) else 0
+        self.api_restarts = -1 if restart or multi_port else 0
         self.supervisors: list[object] = []
         self.token = cluster_token(config.data_parallel.cluster_token)  # actors may not share our environment
 
@@ -260,7 +262,8 @@ class RayCluster:
                 options = self._options("engine", rank, node.index, num_cpus=cfg.ray.cpus_per_engine,
                                         num_gpus=self.placement.gpus, max_restarts=self.restarts)
                 port = self.plan.engine_port(rank) if self.plan.remote_engines else None
-                self.engines[rank] = EngineActor.options(**options).remote(self.name, cfg.engine, dp, node.index, port,
+                engine = cfg.engine.for_rank(rank, node.http_port(rank), cfg.served_model_name)
+                self.engines[rank] = EngineActor.options(**options).remote(self.name, engine, dp, node.index, port,
                                                                       threads, self.host, share)
 
     def _start_api_servers(self, addresses: dict[int, str], loads: str | None) -> None:
@@ -270,7 +273,8 @@ class RayCluster:
                 spec = ApiServerSpec(tuple((r, addresses[r]) for r in api.ranks), api.name, node.index,
                                      self.plan.mode, loads, self.config.lb.policy, self.token)
                 options = self._options("api", api.name.split(":", 1)[1], node.index,
-                                        num_cpus=self.config.ray.cpus_per_api_server, max_restarts=self.restarts)
+                                        num_cpus=self.config.ray.cpus_per_api_server,
+                                        max_restarts=self.api_restarts)
                 actor = ApiServerActor.options(**options).remote(self.name, self.config, spec, api.host, api.port,
                                                             ports.count(api.port) > 1)
                 self.apis.append((node, actor))

@@ -63,6 +63,17 @@ class Supervisor:
         for thread in self._threads:
             thread.start()
 
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Probe every rank now and until all are up (or ``timeout_s``); whether they are."""
+        deadline = time.monotonic() + timeout_s
+        while not self.ready and time.monotonic() < deadline:
+            for child in self.children.values():
+                if not child.healthy:
+                    self._probe(child)
+            if not self.ready:
+                time.sleep(0.1)
+        return self.ready
+
     def mark_down(self, rank: int, why: str) -> None:
         """The launcher saw this rank's server (or engine) die: down now, not after the failed probes."""
         child = self.children[rank]

@@ -4,6 +4,7 @@ mid-2026): one API server per local rank on `--port + i`, and one node superviso
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -12,6 +13,7 @@ import time
 
 import httpx
 import pytest
+import zmq
 
 from tests.servers import Server, completion, free_port, free_port_range, start_servers
 
@@ -99,3 +101,40 @@ def test_vllm_rules_for_multi_port_each_with_its_fix(tiny_qwen3):
         run = _dry_run(tiny_qwen3, *flags)
         assert run.returncode != 0 and problem in run.stderr, (flags, run.stderr)
         assert "Traceback" not in run.stderr
+
+
+def test_each_rank_names_its_own_port_in_its_kv_event_topic(tiny_qwen3):
+    """llm-d's indexer keys a rank's KV-cache events by `kv@<pod ip>:<rank port>@<model>`: each engine
+    fills its own port into the topic, and publishes on the endpoint's port plus its rank."""
+    events = free_port_range(2)
+    context = zmq.Context.instance()
+    subs = []
+    for i in (0, 1):
+        sub = context.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
+        sub.bind(f"tcp://127.0.0.1:{events + i}")
+        subs.append(sub)
+    config = json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{events}",
+                         "topic": "kv@${POD_IP}:{port}@{model}"})
+    port = free_port_range(2)
+    server = Server(tiny_qwen3, "--data-parallel-size", "2", "-dpm", "--data-parallel-supervisor-port",
+                    str(free_port()), "--kv-events-config", config, "--served-model-name", "m", port=port,
+                    env={"POD_IP": "10.1.2.3"})
+    try:
+        start_servers(server)
+        topics: list[set[bytes]] = [set(), set()]
+        deadline = time.monotonic() + 30
+        attempt = 0
+        while not all(topics) and time.monotonic() < deadline:
+            attempt += 1  # a new prompt each time: a cached one stores no block, so publishes nothing
+            for i in (0, 1):
+                completion(f"http://127.0.0.1:{port + i}", "m", f"attempt {attempt}: more than one block " * 4)
+            for i, sub in enumerate(subs):
+                while sub.poll(200):  # a bound SUB sends its subscription only while it is polled
+                    topics[i].add(sub.recv_multipart()[0])
+        assert topics == [{f"kv@10.1.2.3:{port}@m".encode()}, {f"kv@10.1.2.3:{port + 1}@m".encode()}], topics
+    finally:
+        server.stop()
+        for sub in subs:
+            sub.close(linger=0)

@@ -6,18 +6,22 @@ it, the cluster token from the Secret, and the model from its hostPath volume.""
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 
 from tests.netns.hosts import HostNetwork
 from tests.netns.test_serve_hosts import expected, ready, texts
-from tests.servers import Server
+from tests.servers import Server, completion
 
 pytestmark = pytest.mark.slow
 API_PORT = 8800
+SUPERVISOR_PORT = 8808
 
 
 @pytest.fixture(scope="module")
@@ -32,12 +36,12 @@ def config_mountpoint():
         target.rmdir()
 
 
-def render(tmp_path: Path, config: dict) -> list[dict]:
+def render(tmp_path: Path, config: dict, *flags: str) -> list[dict]:
     path = tmp_path / "cluster.yaml"
     path.write_text(yaml.safe_dump(config))
     manifest = tmp_path / "manifest.yaml"
     command = [sys.executable, "-m", "hybridlb", "render", "k8s", str(path), "--model-host-path",
-               config["engine"]["model"], "--out", str(manifest)]
+               config["engine"]["model"], "--out", str(manifest), *flags]
     assert os.spawnv(os.P_WAIT, sys.executable, command) == 0
     return list(yaml.safe_load_all(manifest.read_text()))
 
@@ -100,6 +104,88 @@ def test_lws_moe_pods_form_the_expert_parallel_group(network, checkpoints, tmp_p
     pods = run_pods(network, docs, tmp_path)
     try:
         assert [texts(pod.url, model) for pod in pods] == [expected(model)] * 2
+    finally:
+        for pod in reversed(pods):
+            pod.stop()
+
+
+def _supervisor(host_address: str, port: int, path: str = "/readyz") -> tuple[int, dict]:
+    response = httpx.get(f"http://{host_address}:{port}{path}", timeout=5)
+    return response.status_code, response.json()
+
+
+def test_lws_multi_port_pods_serve_every_rank_port_under_their_supervisor(network, tiny_qwen3, tmp_path,
+                                                                          config_mountpoint):
+    """llm-d's shape from the rendered manifest: each pod's ranks on API_PORT + i, its probes on the
+    supervisor port the manifest names."""
+    config = cluster_config(tiny_qwen3)
+    config["lb"] = {"supervisor_port": SUPERVISOR_PORT}
+    docs = render(tmp_path, config, "--lb", "multi-port")
+    pods = run_pods(network, docs, tmp_path)
+    try:
+        lws = next(d for d in docs if d["kind"] == "LeaderWorkerSet")
+        container = lws["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0]
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert ports["supervisor"] == SUPERVISOR_PORT
+        for host in network.hosts[:len(pods)]:
+            for probe in ("/health", "/readyz"):
+                assert _supervisor(host.address, ports["supervisor"], probe)[0] == 200
+            for i in (0, 1):
+                assert texts(f"http://{host.address}:{ports[f'rank{i}']}", tiny_qwen3) == expected(tiny_qwen3)
+    finally:
+        for pod in reversed(pods):
+            pod.stop()
+
+
+# llm-d's wide-EP decode pod (guides/wide-ep-lws), verbatim but for its model and the
+# --kv_transfer_config flag (prefill/decode disaggregation, not implemented): ranks on 8200+,
+# the supervisor on 8208, the start rank from LWS's worker index.
+LLM_D_DECODE = (
+    "START_RANK=$(( ${LWS_WORKER_INDEX:-0} * DP_SIZE_LOCAL )); exec hybridlb serve {model} --port 8200 "
+    "--disable-access-log-for-endpoints=/health,/metrics --data-parallel-multi-port-external-lb "
+    "--data-parallel-supervisor-port=8208 --enable-expert-parallel --tensor-parallel-size $TP_SIZE "
+    "--max-num-batched-tokens ${MAX_TOKENS} --max-num-seqs ${MAX_TOKENS} "
+    "--data-parallel-size $((LWS_GROUP_SIZE * DP_SIZE_LOCAL)) --data-parallel-size-local $DP_SIZE_LOCAL "
+    "--data-parallel-address ${LWS_LEADER_ADDRESS} --data-parallel-rpc-port 5555 "
+    "--data-parallel-start-rank $START_RANK --enable-dbo --dbo-decode-token-threshold 32 "
+    "--all2all-backend deepep_low_latency --moe-backend deep_gemm"
+)
+
+
+def test_llm_d_decode_command_runs_and_its_probes_answer(network, checkpoints):
+    """The command llm-d ships, on two hosts with LWS's environment: every rank port and both
+    supervisors answer; a killed rank server turns its node unready at once and is brought back."""
+    model = checkpoints("qwen3_moe")
+    leader = "decode-0.decode.default"
+    network.alias(network.hosts[0], leader)
+    pods = []
+    for index, host in enumerate(network.hosts[:2]):
+        env = {"LWS_LEADER_ADDRESS": leader, "LWS_WORKER_INDEX": str(index), "LWS_GROUP_SIZE": "2",
+               "DP_SIZE_LOCAL": "2", "TP_SIZE": "1", "MAX_TOKENS": "256", "KUBERNETES_SERVICE_HOST": "10.96.0.1",
+               "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+        command = ["sh", "-c", LLM_D_DECODE.replace("{model}", model)]
+        pods.append(Server(model, port=8200, host=host.address, command=command, env=env,
+                           launcher=lambda argv, host=host: network.command(host, argv)))
+    pods = ready("llm-d decode pods, 2 hosts", *pods)
+    try:
+        for pod, host in zip(pods, network.hosts, strict=False):
+            assert "note: --all2all-backend" in pod.output and "note: --moe-backend" in pod.output
+            for port in (8200, 8201):
+                completion(f"http://{host.address}:{port}", model, "GPU")
+            status, view = _supervisor(host.address, 8208)
+            assert status == 200 and view["status"] == "ready", view
+            assert _supervisor(host.address, 8208, "/health")[0] == 200
+        worker = network.hosts[1]
+        pid = _supervisor(worker.address, 8208)[1]["ranks"]["3"]["pid"]
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        while _supervisor(worker.address, 8208)[0] == 200:
+            assert time.monotonic() - killed < 5.0, "the node stayed ready (llm-d's probe interval: 5 s)"
+            time.sleep(0.05)
+        while _supervisor(worker.address, 8208)[0] != 200:
+            assert time.monotonic() - killed < 90, "the rank's server was not brought back"
+            time.sleep(0.5)
+        completion(f"http://{worker.address}:8201", model, "back again")
     finally:
         for pod in reversed(pods):
             pod.stop()

@@ -134,3 +134,26 @@ def test_restart_policy_brings_a_dead_engine_back(ray_cluster, tiny_qwen3):
         assert pinned.status_code == 200
     finally:
         cluster.stop()
+
+
+def test_multi_port_places_a_supervisor_beside_the_rank_servers_of_a_node(ray_cluster, tiny_qwen3):
+    """lb.mode multi_port under Ray: a server per rank on api_port + i, and the node's supervisor
+    actor answering the probes for both."""
+    from tests.servers import free_port_range
+
+    port, supervisor = free_port_range(2), free_port()
+    data = three_node_config(tiny_qwen3, "multiport")
+    data["data_parallel"].update(size=2, nodes=[{"size_local": 2, "api_port": port, "ray_resource": "node_a"}])
+    data["lb"] = {"mode": "multi_port", "supervisor_port": supervisor, "supervisor_probe_interval_s": 0.5}
+    cluster = start(data)
+    try:
+        for i in (0, 1):
+            assert burst([f"http://127.0.0.1:{port + i}"], cluster.config.served_model_name, 4) == [200] * 4
+            assert served_per_engine(f"http://127.0.0.1:{port + i}").keys() == {i}
+        deadline = time.monotonic() + 30
+        while httpx.get(f"http://127.0.0.1:{supervisor}/readyz").status_code != 200:
+            assert time.monotonic() < deadline, "the supervisor never saw both ranks up"
+            time.sleep(0.2)
+        assert "hybridlb:multiport:supervisor:0" in {row["name"] for row in status("multiport", None, "hybridlb")}
+    finally:
+        cluster.stop()

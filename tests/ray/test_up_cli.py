@@ -39,9 +39,7 @@ def test_up_local_config_serves_and_stops_on_ctrl_c(tmp_path):
             time.sleep(0.5)
         output = "".join(lines)
         assert re.search(rf"http://127\.0\.0\.1:{port}/v1", output), output
-        # Where the dashboard is, and what it will ask for (Ray turns token auth on for a new local cluster).
-        assert re.search(r"Ray dashboard: http://127\.0\.0\.1:\d+ - it asks for this cluster's token: "
-                         r"`ray get-auth-token` prints it", output), output
+        assert re.search(r"Ray dashboard: http://127\.0\.0\.1:\d+", output), output  # where the actors show
         body = {"model": "SmolLM2-135M-Instruct", "temperature": 0, "max_tokens": 32,
                 "messages": [{"role": "user", "content": "What is the capital of France?"}]}
         response = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=120)
