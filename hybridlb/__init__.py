@@ -1,9 +1,9 @@
 """hybridlb: data-parallel LLM serving with per-node load balancing."""
 
-from hybridlb.protocol import SamplingParams
+from hybridlb.protocol import Constraint, SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "Constraint", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str):

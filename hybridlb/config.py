@@ -91,6 +91,24 @@ class KVEventsConfig(_Section):
         return self.model_copy(update={"topic": os.path.expandvars(self.topic).format(**fields)})
 
 
+class StructuredOutputsConfig(_Section):
+    """Constrained decoding (``response_format``, ``structured_outputs``, forced tool calls):
+    vLLM's ``--structured-outputs-config`` keys."""
+
+    backend: Literal["auto", "llguidance", "xgrammar"] = Field(
+        "auto", description="Grammar library: llguidance (auto: the default; see docs/structured-outputs.md) or "
+        "xgrammar (when installed)."
+    )
+    disable_any_whitespace: bool = Field(
+        False, description="JSON output without whitespace between tokens (compact); default: flexible whitespace."
+    )
+    disable_additional_properties: bool = Field(
+        False, description="JSON schemas that do not say additionalProperties get false (no keys beyond "
+        "properties)."
+    )
+    cache_size: int = Field(256, ge=1, description="Compiled grammars kept per engine (least recently used go).")
+
+
 class EngineConfig(_Section):
     """What one engine (one data-parallel rank) needs to load a model and run it."""
 
@@ -155,6 +173,10 @@ class EngineConfig(_Section):
     share_cores: bool = Field(
         True, description="With torch_threads 0 and several engines on a node: an engine that steps while "
         "the node's other engines wait for work uses their cores too (lower latency at low load)."
+    )
+    structured_outputs: StructuredOutputsConfig = Field(
+        default_factory=StructuredOutputsConfig, description="Constrained decoding (JSON schemas, regexes, "
+        "grammars, forced tool calls)."
     )
     simulate: SimulateConfig | None = Field(
         None, description="SIMULATED engines (no weights loaded; steps sleep, tokens echo the prompt), for "
@@ -223,6 +245,25 @@ class ApiConfig(_Section):
         "auto", description="Sampling defaults for fields a request leaves unset: auto (the model's "
         "generation_config.json), vllm (none: OpenAI's defaults) or a directory holding generation_config.json."
     )
+    tool_call_parser: Literal["hermes", "llama3_json", "mistral", "pythonic"] | None = Field(
+        None, description="How tool calls are read out of the model's text (tool_choice auto); vLLM's "
+        "--tool-call-parser. Forced calls (required, a named function) need no parser."
+    )
+    enable_auto_tool_choice: bool = Field(
+        False, description="Allow tool_choice auto (the default when a request has tools): the model decides, "
+        "tool_call_parser reads its calls. vLLM's --enable-auto-tool-choice."
+    )
+    reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = Field(
+        None, description="Split <think>...</think> into reasoning_content; structured output and tool calls "
+        "apply after it. vLLM's --reasoning-parser."
+    )
+
+    @model_validator(mode="after")
+    def _check_tools(self) -> ApiConfig:
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("api.enable_auto_tool_choice needs api.tool_call_parser (hermes, llama3_json, mistral "
+                             "or pythonic)")
+        return self
 
 
 class NodeConfig(_Section):

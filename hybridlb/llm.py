@@ -7,10 +7,11 @@ from dataclasses import dataclass, field
 import torch
 
 from hybridlb import lifecycle
-from hybridlb.checkpoint.detokenizer import IncrementalDetokenizer
+from hybridlb.checkpoint.detokenizer import IncrementalDetokenizer, visible
 from hybridlb.checkpoint.tokenizer import Tokenizer
 from hybridlb.config import EngineConfig
 from hybridlb.engine.core import make_core
+from hybridlb.grammar import check
 from hybridlb.protocol import SamplingParams, TokenLogprobs
 
 
@@ -49,23 +50,28 @@ class LLM:
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
         live: dict[str, tuple[CompletionOutput, IncrementalDetokenizer]] = {}
+        detok_params: dict[str, SamplingParams] = {}
         results = []
         for prompt, p in zip(prompts, params_list, strict=True):
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             result = CompletionOutput(prompt_token_ids=ids)
             request_id = str(self._next_id)
             self._next_id += 1
+            if p.constraint is not None:  # a grammar that cannot compile is the caller's error, said now
+                check(p.constraint, self.config.structured_outputs)
             error = self.engine.add_request(request_id, ids, p)
             if error is not None:
                 self.engine.abort(list(live))
                 raise ValueError(f"prompt {len(results)}: {error.error}")
-            live[request_id] = (result, IncrementalDetokenizer(self.tokenizer, ids, p.stop))
+            live[request_id] = (result, IncrementalDetokenizer.for_request(self.tokenizer, ids, p))
+            detok_params[request_id] = p
             results.append(result)
         while live:
             for output in self.engine.step():
                 result, detok = live[output.request_id]
                 result.token_ids += output.new_token_ids
-                text, result.finish_reason = detok.take(output.new_token_ids, output.finish_reason)
+                shown = visible(output.new_token_ids, output.stop_token_id, detok_params[output.request_id])
+                text, result.finish_reason = detok.take(shown, output.finish_reason)
                 result.text += text
                 if output.logprobs is not None:
                     result.logprobs = (result.logprobs or []) + output.logprobs

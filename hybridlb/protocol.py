@@ -105,6 +105,33 @@ MAX_LOGPROBS = 20  # most alternatives a request may ask for per position (vLLM'
 MAX_LOGIT_BIAS = 1024  # token ids one request may bias
 
 
+MAX_CONSTRAINT_CHARS = 256 * 2**10  # a grammar, schema or regex (the engine compiles it)
+MAX_ALLOWED_TOKEN_IDS = 2**16
+MAX_BAD_WORDS = 256  # token sequences one request may ban
+CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "structural_tag")
+
+
+class Constraint(msgspec.Struct, omit_defaults=True):
+    """What a request's output must match (structured outputs), compiled by the engine's grammar
+    backend (``hybridlb.grammar``): ``json`` a JSON schema (JSON text; ``{"type": "object"}``
+    for JSON mode), ``regex``, ``choice`` (a JSON list of strings), ``grammar`` (Lark, or GBNF
+    EBNF) or ``structural_tag`` (vLLM's JSON form). ``after``: token ids that start the
+    constrained part (a reasoning model's end-of-thinking marker); empty: from the first token."""
+
+    kind: str
+    value: str
+    after: list[int] = msgspec.field(default_factory=list)
+    compact: bool = False  # JSON without whitespace between tokens (disable_any_whitespace)
+    closed: bool = False  # object schemas that do not say otherwise allow no other keys (disable_additional_properties)
+
+    def problem(self) -> str | None:
+        if self.kind not in CONSTRAINT_KINDS:
+            return f"constraint kind must be one of {', '.join(CONSTRAINT_KINDS)}, got {self.kind!r}"
+        if len(self.value) > MAX_CONSTRAINT_CHARS:
+            return f"a constraint may hold at most {MAX_CONSTRAINT_CHARS} characters, got {len(self.value)}"
+        return None
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True):
     """How to sample one request; shared by the offline API, the HTTP server and the wire.
 
@@ -133,6 +160,14 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     # token after the first. None: not computed.
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    constraint: Constraint | None = None  # structured outputs
+    min_tokens: int = 0  # eos and stop_token_ids are masked until this many tokens are out
+    allowed_token_ids: list[int] | None = None  # sample only among these
+    bad_words: list[list[int]] = msgspec.field(default_factory=list)  # token sequences never to complete
+    # Where text exists (the front end, the offline API): stop strings kept in the output, and
+    # special tokens' text shown (skip_special_tokens=False).
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     @property
     def greedy(self) -> bool:
@@ -170,7 +205,26 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
                 found.append((name, f"{name} must be in [0, {MAX_LOGPROBS}], got {value}"))
+        if self.constraint is not None and (problem := self.constraint.problem()):
+            found.append(("structured_outputs", problem))
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            found.append(("min_tokens", f"min_tokens must be in [0, max_tokens], got {self.min_tokens}"))
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids or len(self.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS:
+                found.append(("allowed_token_ids", f"allowed_token_ids needs 1 to {MAX_ALLOWED_TOKEN_IDS} token ids"))
+            elif min(self.allowed_token_ids) < 0:
+                found.append(("allowed_token_ids", "allowed_token_ids must be non-negative"))
+        if len(self.bad_words) > MAX_BAD_WORDS or any(not w or min(w) < 0 for w in self.bad_words):
+            found.append(("bad_words", f"bad_words takes at most {MAX_BAD_WORDS} non-empty words"))
         return found
+
+    def out_of_vocab(self, vocab_size: int) -> str | None:
+        """The first field naming a token id outside ``[0, vocab_size)``, if any."""
+        for name, ids in (("logit_bias", self.logit_bias), ("allowed_token_ids", self.allowed_token_ids or ()),
+                          ("bad_words", [t for word in self.bad_words for t in word])):
+            if any(token >= vocab_size for token in ids):
+                return f"{name} token ids must be in [0, {vocab_size})"
+        return None
 
 
 class Hello(msgspec.Struct, tag="hello"):
@@ -345,9 +399,10 @@ HANDSHAKE_LIMIT = 2**20
 
 
 def engine_input_limit(max_model_len: int) -> int:
-    """Largest frame an engine takes: an ``AddRequest`` of a full-length prompt, plus 1 MiB
-    for its id and sampling params (the API bounds stop strings to ~256 KiB of them)."""
-    return 9 * max_model_len + 2**20
+    """Largest frame an engine takes: an ``AddRequest`` of a full-length prompt, plus 2 MiB
+    for its id and sampling params (the API bounds stop strings to ~256 KiB of them, a
+    constraint to 256 KiB, allowed_token_ids to 64 Ki ids)."""
+    return 9 * max_model_len + 2**21
 
 
 def error_text(error: Exception) -> str:

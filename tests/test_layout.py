@@ -13,14 +13,15 @@ BASE = {"config", "protocol", "prefix_hash", "transport", "netaddr", "lifecycle"
 # What each part may import besides itself and BASE (a package, or a top-level module).
 ALLOWED = {
     "checkpoint": set(),
+    "grammar": {"checkpoint"},
     "model": {"checkpoint"},
-    "engine": {"model", "checkpoint"},
+    "engine": {"model", "checkpoint", "grammar"},
     "coordinator": set(),
-    "api": {"checkpoint"},
+    "api": {"checkpoint", "grammar"},
     "bench": {"checkpoint"},
-    "llm": {"engine", "checkpoint"},
+    "llm": {"engine", "checkpoint", "grammar"},
     "launch": {"api", "engine", "coordinator", "checkpoint"},
-    "cli": {"checkpoint", "model", "engine", "coordinator", "api", "bench", "llm", "launch"},
+    "cli": {"checkpoint", "grammar", "model", "engine", "coordinator", "api", "bench", "llm", "launch"},
 }
 
 

@@ -14,12 +14,17 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import msgspec
 from fastapi import Request
 
+from hybridlb.api import structured
+from hybridlb.api.chat_output import ChatOutput
+from hybridlb.api.chat_tools import chat_tools
 from hybridlb.api.context import ApiContext
 from hybridlb.api.errors import APIError
+from hybridlb.api.reasoning import reasoning_ended, reasoning_opened
 from hybridlb.api.schemas import MAX_PROMPTS, ChatCompletionRequest, CompletionRequest, SamplingRequest
-from hybridlb.protocol import SamplingParams
+from hybridlb.protocol import MAX_BAD_WORDS, Constraint, SamplingParams
 
 INLINE_BODY_BYTES = 16 * 2**10  # smaller bodies are tokenized on the event loop (a thread hop costs more)
 _preparer = ThreadPoolExecutor(1, thread_name_prefix="prepare")  # one at a time: the GIL serializes them anyway
@@ -39,12 +44,14 @@ class Job:
     echo: list[str] | None = None  # completions with echo: each prompt's text, shown before its output
     n: int = 1  # choices per prompt
     candidates: int = 1  # sequences generated per prompt (best_of); the n most likely are returned
+    chat: ChatOutput | None = None  # chat: how the text becomes the message (reasoning, tool calls, echo)
+    continuous_usage: bool = False  # streamed: usage so far in every chunk
     created: int = field(default_factory=lambda: int(time.time()))
 
 
-def _token_ids(ctx: ApiContext, prompt: str | list[int]) -> list[int]:
+def _token_ids(ctx: ApiContext, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
     if isinstance(prompt, str):
-        ids = ctx.tokenizer.encode(prompt)
+        ids = ctx.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
     else:
         vocab = ctx.tokenizer.vocab_size
         if any(not 0 <= t < vocab for t in prompt):
@@ -55,14 +62,52 @@ def _token_ids(ctx: ApiContext, prompt: str | list[int]) -> list[int]:
     return ids
 
 
-def _params(ctx: ApiContext, body: SamplingRequest, ids: list[int], requested: int | None) -> SamplingParams:
+def _truncated(ctx: ApiContext, body: SamplingRequest, ids: list[int]) -> list[int]:
+    """truncate_prompt_tokens: the prompt's last k tokens (-1: as many as max_model_len allows)."""
+    keep = body.truncate_prompt_tokens
+    if keep is None:
+        return ids
+    if keep == -1:
+        keep = ctx.pool.max_model_len
+    if keep == 0:
+        raise APIError(400, "truncate_prompt_tokens must be -1 or at least 1", param="truncate_prompt_tokens")
+    return ids[-keep:]
+
+
+def _params(ctx: ApiContext, body: SamplingRequest, ids: list[int], requested: int | None,
+            constraint: Constraint | None) -> SamplingParams:
     limit = ctx.pool.max_model_len
     room = limit - len(ids)
     if room < 1 or (requested is not None and requested > room):
         wanted = f" plus max_tokens={requested}" if requested is not None else ""
         raise APIError(400, f"the prompt has {len(ids)} tokens{wanted}, more than max_model_len={limit}; "
                             "shorten the prompt or lower max_tokens", param="max_tokens")
-    return body.sampling_params(requested, ctx.sampling_defaults)
+    params = body.sampling_params(requested, ctx.sampling_defaults)
+    extra: dict = {}
+    if constraint is not None:
+        extra["constraint"] = constraint
+    if body.bad_words:
+        extra["bad_words"] = _bad_words(ctx, body.bad_words)
+    if (problem := params.out_of_vocab(ctx.pool.vocab_size)) is not None:
+        raise APIError(400, problem, param=problem.split()[0])
+    return msgspec.structs.replace(params, **extra) if extra else params
+
+
+def _bad_words(ctx: ApiContext, words: list[str]) -> list[list[int]]:
+    """Each bad word's token sequences: as written and after a space (mid-sentence), as vLLM bans them."""
+    sequences: list[list[int]] = []
+    for word in words:
+        for text in (word, " " + word.lstrip()):
+            ids = ctx.tokenizer.encode(text, add_special_tokens=False)
+            if ids and ids not in sequences:
+                sequences.append(ids)
+    if len(sequences) > MAX_BAD_WORDS:
+        raise APIError(400, f"at most {MAX_BAD_WORDS // 2} bad_words", param="bad_words")
+    return sequences
+
+
+def _job_id(prefix: str, body: SamplingRequest) -> str:
+    return f"{prefix}-{body.request_id}" if body.request_id else f"{prefix}-{uuid.uuid4().hex}"
 
 
 def completion_job(ctx: ApiContext, body: CompletionRequest) -> Job:
@@ -71,26 +116,54 @@ def completion_job(ctx: ApiContext, body: CompletionRequest) -> Job:
     if len(texts) * body.candidates > MAX_PROMPTS:
         raise APIError(400, f"prompts x {'best_of' if body.best_of else 'n'} is {len(texts) * body.candidates}; "
                             f"at most {MAX_PROMPTS} sequences in one request", param="n")
-    prompts = [_token_ids(ctx, p) for p in texts]
-    params = [_params(ctx, body, ids, body.max_tokens) for ids in prompts]
+    constraint = structured.constraint_for(body, ctx.config.engine.structured_outputs)
+    prompts = [_truncated(ctx, body, _token_ids(ctx, p, body.add_special_tokens)) for p in texts]
+    params = [_params(ctx, body, ids, body.max_tokens, constraint) for ids in prompts]
     echo = [t if isinstance(t, str) else ctx.tokenizer.decode(t) for t in texts] if body.echo else None
     name = body.model or ctx.served_names[0]
-    return Job("text_completion", f"cmpl-{uuid.uuid4().hex}", name, prompts, params, body.include_usage,
-               body.wants_logprobs, echo, body.choices, body.candidates)
+    return Job("text_completion", _job_id("cmpl", body), name, prompts, params, body.include_usage,
+               body.wants_logprobs, echo, body.choices, body.candidates, continuous_usage=body.continuous_usage)
 
 
 def chat_job(ctx: ApiContext, body: ChatCompletionRequest) -> Job:
     body.check_supported()
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    api = ctx.config.api
+    tools = chat_tools(body, api, ctx.config.engine.structured_outputs)
+    constraint = tools.constraint or structured.constraint_for(body, ctx.config.engine.structured_outputs)
+    text = _render(ctx, body)
+    if constraint is not None and api.reasoning_parser and not reasoning_ended(text):
+        constraint = msgspec.structs.replace(constraint, after=ctx.reasoning_end_ids)
+    ids = _truncated(ctx, body, ctx.tokenizer.encode(text, add_special_tokens=body.add_special_tokens))
+    params = _params(ctx, body, ids, body.requested_max_tokens, constraint)
+    if tools.parser is not None and not tools.parser.skip_special_tokens:
+        params = msgspec.structs.replace(params, skip_special_tokens=False)  # its markers are special tokens
+    last = body.messages[-1]
+    output = ChatOutput(api.reasoning_parser, type(tools.parser) if tools.parser else None, tools.parser_args,
+                        body.include_reasoning, last.text() if body.echo and last.role == "assistant" else "",
+                        reasoning_opened(text))
+    name = body.model or ctx.served_names[0]
+    return Job("chat.completion", _job_id("chatcmpl", body), name, [ids], [params], body.include_usage,
+               body.wants_logprobs, n=body.choices, candidates=body.candidates, chat=output,
+               continuous_usage=body.continuous_usage)
+
+
+def _render(ctx: ApiContext, body: ChatCompletionRequest) -> str:
+    """The prompt text: the template over the messages; with continue_final_message, cut right
+    after the last message's text so the model continues it."""
     try:
-        text = ctx.tokenizer.apply_chat_template(messages, **body.template_arguments())
+        text = ctx.tokenizer.apply_chat_template(body.template_messages(), **body.template_arguments())
+    except APIError:
+        raise
     except Exception as exc:
         raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from None
-    ids = ctx.tokenizer.encode(text, add_special_tokens=False)
-    params = _params(ctx, body, ids, body.requested_max_tokens)
-    name = body.model or ctx.served_names[0]
-    return Job("chat.completion", f"chatcmpl-{uuid.uuid4().hex}", name, [ids], [params], body.include_usage,
-               body.wants_logprobs, n=body.choices, candidates=body.candidates)
+    if body.continue_final_message:
+        final = body.messages[-1].text()
+        at = text.rfind(final)
+        if not final or at < 0:
+            raise APIError(400, "continue_final_message: the chat template does not show the last message's text "
+                                "as written", param="continue_final_message")
+        text = text[: at + len(final)]
+    return text
 
 
 async def prepare(request: Request, make_job, ctx: ApiContext, body) -> Job:

@@ -80,6 +80,11 @@ class EnginePool:
         return min(engine.info.max_model_len for engine in self.engines if engine.info)
 
     @property
+    def vocab_size(self) -> int:
+        """The engines' vocabulary (the model's logits: token ids a request may name are below it)."""
+        return min(engine.info.vocab_size for engine in self.engines if engine.info)
+
+    @property
     def wave(self) -> int:
         """The coordinator's current wave (MoE): new requests carry it."""
         return self.snapshot.current_wave if self.snapshot else 0

@@ -123,9 +123,10 @@ async def _collect(ctx: ApiContext, job: Job, streams: list[AsyncIterator]) -> d
     completion = sum(result.num_tokens for result in results)  # every sequence generated counts
     results = _best(job, results)
     choices = [_choice(ctx, job, index, result, 0) for index, result in enumerate(results)]
-    if job.kind == "chat.completion":
+    if job.chat is not None:
         for choice in choices:
-            choice["message"] = {"role": "assistant", "content": choice.pop("text")}
+            choice["message"], choice["finish_reason"] = job.chat.shape().whole(choice.pop("text"),
+                                                                                choice["finish_reason"])
     return {"id": job.id, "object": job.kind, "created": job.created, "model": job.model,
             "choices": choices, "usage": _usage(job, completion)}
 
@@ -149,6 +150,13 @@ def _choice(ctx: ApiContext, job: Job, index: int, choice: Choice, offset: int) 
     elif job.logprobs:
         logprobs = ctx.logprob_format.completion(choice.token_ids, choice.logprobs, offset)
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason}
+
+
+def _usage_of(job: Job, index: int, completion_tokens: int) -> dict:
+    """continuous_usage_stats: one choice's usage so far (its prompt's tokens and its own)."""
+    prompt = len(job.prompts[index // job.candidates])
+    return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
+            "total_tokens": prompt + completion_tokens}
 
 
 def _usage(job: Job, completion_tokens: int) -> dict:
@@ -176,14 +184,17 @@ async def _unless_disconnected(request: Request, work):
     return None
 
 
-def _chunk(job: Job, choice: dict, first: bool) -> bytes:
+def _chunk(job: Job, choice: dict, first: bool, fields: dict | None, usage: dict | None) -> bytes:
+    """One choice's chunk; ``fields``: a chat delta's fields (content, reasoning, tool calls)."""
     if job.kind == "chat.completion":
-        text = choice.pop("text")
-        choice["delta"] = ({"role": "assistant", "content": text} if first else {"content": text} if text else {})
+        choice.pop("text")
+        choice["delta"] = {"role": "assistant", "content": "", **fields} if first else fields
         kind = "chat.completion.chunk"
     else:
         kind = "text_completion"
     body = {"id": job.id, "object": kind, "created": job.created, "model": job.model, "choices": [choice]}
+    if usage is not None:
+        body["usage"] = usage
     return _event(body)
 
 
@@ -250,20 +261,32 @@ async def _events(ctx: ApiContext, job: Job, streams: list[AsyncIterator]) -> As
     pending = [Choice() for _ in streams]
     offsets = [0] * len(streams)
     started = [False] * len(streams)
+    shapes = [job.chat.shape() for _ in streams] if job.chat is not None else None
+    tokens = [0] * len(streams)
     completion = 0
     async for index, item in _merged(job, streams):
         if isinstance(item, APIError):
             yield _event(item.body())
             continue
         completion += item.num_tokens
+        tokens[index] += item.num_tokens
         choice = pending[index]
         if not started[index] and not choice.text:
             _prepend_prompt(job, index // job.candidates, choice, item)
         choice.add(item)
         text = "".join(choice.text)
-        if text or item.finish_reason:  # a role-only or empty chunk would read as a first token
+        fields = None
+        if shapes is not None:  # chat: the text becomes content, reasoning and tool calls (some held back)
+            fields = shapes[index].push(text, final=item.finish_reason is not None)
+            choice.finish_reason = shapes[index].finish_reason(item.finish_reason)
+            choice.text = []
+            ready = bool(fields) or item.finish_reason is not None
+        else:
+            ready = bool(text) or item.finish_reason is not None  # an empty chunk would read as a first token
+        if ready:
             body = _choice(ctx, job, index, choice, offsets[index])
-            yield _chunk(job, body, first=not started[index])
+            usage = _usage_of(job, index, tokens[index]) if job.continuous_usage else None
+            yield _chunk(job, body, not started[index], fields, usage)
             started[index], offsets[index], pending[index] = True, offsets[index] + len(text), Choice()
     if job.include_usage:
         usage = {"id": job.id, "object": f"{job.kind}.chunk" if job.kind == "chat.completion" else job.kind,

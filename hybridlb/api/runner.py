@@ -22,7 +22,7 @@ from hybridlb.api.engine_client import EngineConnection, EngineUnavailable
 from hybridlb.api.errors import APIError
 from hybridlb.api.metrics import Finished, Metrics
 from hybridlb.api.pool import EnginePool, all_busy
-from hybridlb.checkpoint.detokenizer import IncrementalDetokenizer
+from hybridlb.checkpoint.detokenizer import IncrementalDetokenizer, visible
 from hybridlb.checkpoint.tokenizer import Tokenizer
 from hybridlb.protocol import RequestOutput, SamplingParams, TokenLogprobs
 
@@ -72,7 +72,7 @@ class RequestRunner:
         engine, queue = self.pool.submit(wire_id, prompt_ids, params, rank, tried)
         if rank is not None:
             self.metrics.pinned_request(rank)
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
+        detok = IncrementalDetokenizer.for_request(self.tokenizer, prompt_ids, params)
         finished, yielded = False, False
         try:
             while not finished:
@@ -87,7 +87,8 @@ class RequestRunner:
                     continue
                 if output.error:
                     raise _failure(output)
-                text, reason = detok.take(output.new_token_ids, output.finish_reason)
+                shown = visible(output.new_token_ids, output.stop_token_id, params)
+                text, reason = detok.take(shown, output.finish_reason)
                 self._observe(engine.rank, output, timing, reason, len(prompt_ids), params)
                 finished, yielded = reason is not None, True
                 yield Delta(text, len(output.new_token_ids), reason, output.new_token_ids, output.logprobs,

@@ -10,6 +10,7 @@ engine's input messages (``hybridlb.protocol.engine_input_limit``).
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
@@ -23,14 +24,31 @@ MAX_STOP = 64  # stop strings per request
 MAX_STOP_CHARS = 1024  # characters per stop string
 MAX_STOP_TOKEN_IDS = 1024
 MAX_CHOICES = 128  # n / best_of: sequences per prompt (prompts x sequences stays within MAX_PROMPTS)
-# Fields of OpenAI's API hybridlb does not implement: a request setting one gets a 400 naming it.
+MAX_TOOLS = 128
+# Fields of OpenAI's and vLLM's APIs hybridlb does not implement, with the value that asks for
+# nothing: a request setting anything else gets a 400 naming the field (never silently ignored).
 UNSUPPORTED_FIELDS = {
-    "response_format": "structured output (JSON schema / JSON mode) is not implemented; drop it (or send "
-                       "{\"type\": \"text\"})",
-    "guided_json": "guided decoding is not implemented; drop it",
-    "guided_regex": "guided decoding is not implemented; drop it",
-    "guided_choice": "guided decoding is not implemented; drop it",
-    "logits_processors": "custom logits processors are not implemented; drop it",
+    "logits_processors": (None, "custom logits processors are not implemented; drop it"),
+    "use_beam_search": (False, "beam search is not implemented; drop it (or sample with n / best_of)"),
+    "length_penalty": (1.0, "length_penalty applies to beam search, which is not implemented; drop it"),
+    "prompt_logprobs": (None, "prompt_logprobs is not returned; use /v1/completions with echo and logprobs"),
+    "return_tokens_as_token_ids": (False, "tokens are returned as text; use /tokenize for ids"),
+    "return_token_ids": (False, "token ids are not returned; use /tokenize"),
+    "priority": (0, "priority scheduling is not implemented; drop it"),
+    "cache_salt": (None, "per-tenant prefix-cache isolation (cache_salt) is not implemented; drop it, or run "
+                         "tenants on separate servers"),
+    "kv_transfer_params": (None, "KV transfer (disaggregated prefill) is not implemented; drop it"),
+    "vllm_xargs": (None, "vllm_xargs has no meaning here; drop it"),
+    "mm_processor_kwargs": (None, "the models served are text-only; drop it"),
+    "prompt_embeds": (None, "prompts are text or token ids; drop prompt_embeds"),
+    "guided_whitespace_pattern": (None, "set disable_any_whitespace in structured_outputs instead"),
+    "chat_template": (None, "a per-request chat template is not accepted; start the server with --chat-template"),
+    "functions": (None, "functions is OpenAI's deprecated form; send tools"),
+    "function_call": (None, "function_call is OpenAI's deprecated form; send tool_choice"),
+    "audio": (None, "the models served are text-only; drop audio"),
+    "prediction": (None, "predicted outputs are not implemented; drop prediction"),
+    "web_search_options": (None, "web search is not available; drop web_search_options"),
+    "store": (False, "stored completions are not kept; drop store"),
 }
 
 
@@ -48,17 +66,53 @@ Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]  # what the wire (msgpa
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # usage (so far) in every chunk, as vLLM sends it
+
+
+class JsonSchemaFormat(BaseModel):
+    name: Text = "response"
+    description: Text | None = None
+    schema_: dict | bool | None = Field(None, alias="schema")  # None: any JSON (as OpenAI reads it)
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: text, JSON mode, a JSON schema (and vLLM's structural tag)."""
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaFormat | None = None
+    # vLLM's structural tag (type structural_tag): the tag's own fields
+    structures: list[dict] | None = None
+    triggers: list[Text] | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs``: exactly one of json, regex, choice, grammar, json_object,
+    structural_tag; the two switches override the server's for this request."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict | bool | Text | None = Field(None, alias="json")
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
+    json_object: bool | None = None
+    structural_tag: Text | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    disable_fallback: bool = False  # one backend here: nothing to fall back to
+    whitespace_pattern: None = None  # not supported: set disable_any_whitespace
 
 
 class SamplingRequest(BaseModel):
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, populate_by_name=True)
 
     model: Text | None = None  # None: the (first) model this server serves, as vLLM does
     max_tokens: int | None = None
     # Unset sampling fields take the model's generation_config.json defaults, then OpenAI's.
     temperature: float | None = None
     top_p: float | None = None
-    top_k: Int64 | None = None
+    top_k: Int64 | None = None  # 0 or -1: off
     repetition_penalty: float | None = None
     n: int | None = Field(1, ge=1, le=MAX_CHOICES)
     seed: Int64 | None = None
@@ -71,12 +125,28 @@ class SamplingRequest(BaseModel):
     presence_penalty: float | None = None
     min_p: float | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> bias
+    min_tokens: int = Field(0, ge=0)
+    allowed_token_ids: list[Int64] | None = None
+    bad_words: list[Text] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # the fast tokenizer's decoding: false is a 400
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # keep the last k prompt tokens (-1: max_model_len)
+    # Structured outputs (see hybridlb.api.structured): one of these at most.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict | bool | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
+    guided_decoding_backend: Text | None = None  # must name the server's backend, if given
+    request_id: Text | None = Field(None, max_length=128)  # the response id's suffix (vLLM's)
 
     def check_supported(self) -> None:
         extra = self.model_extra or {}  # not getattr: pydantic raises and catches inside for a missing extra
-        for name, what in UNSUPPORTED_FIELDS.items():
+        for name, (default, what) in UNSUPPORTED_FIELDS.items():
             value = extra.get(name, self.__dict__.get(name))
-            if value is not None and not (name == "response_format" and value == {"type": "text"}):
+            if value is not None and value != default and value != []:
                 raise APIError(400, f"{name} is not supported: {what}", param=name)
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
@@ -85,6 +155,12 @@ class SamplingRequest(BaseModel):
                            param="stop")
         if len(self.stop_token_ids or []) > MAX_STOP_TOKEN_IDS:
             raise APIError(400, f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids", param="stop_token_ids")
+        if not self.spaces_between_special_tokens:
+            raise APIError(400, "spaces_between_special_tokens=false is not supported: the fast tokenizer decodes "
+                                "special tokens as the model's tokenizer.json says; drop it",
+                           param="spaces_between_special_tokens")
+        if self.top_k is not None and self.top_k < -1:
+            raise APIError(400, f"top_k must be -1 or 0 (off) or positive, got {self.top_k}", param="top_k")
 
     @property
     def choices(self) -> int:
@@ -101,14 +177,20 @@ class SamplingRequest(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     def sampling_params(self, max_tokens: int | None, defaults: dict | None = None) -> SamplingParams:
-        """The request's params; fields it leaves unset come from ``defaults`` (the model's)."""
+        """The request's params; fields it leaves unset come from ``defaults`` (the model's). The
+        constraint and bad words (which need the tokenizer and the server's options) come later."""
         sampling = {**(defaults or {}), **{name: getattr(self, name) for name in SAMPLING_KEYS
                                            if getattr(self, name) is not None}}
+        if sampling.get("top_k") == -1:
+            sampling["top_k"] = 0  # vLLM's "off"
         params = SamplingParams(
             max_tokens=max_tokens, seed=self.seed, stop=self.stops, stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0, logit_bias=self._logit_bias(), **sampling,
-            **self.logprob_params(),
+            **self.logprob_params(), min_tokens=self.min_tokens,
+            allowed_token_ids=list(self.allowed_token_ids) if self.allowed_token_ids is not None else None,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
         )
         for param, message in params.problems():
             raise APIError(400, message, param=param)
@@ -123,6 +205,10 @@ class SamplingRequest(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     def logprob_params(self) -> dict:
         """SamplingParams.logprobs / prompt_logprobs for what this request asks to be shown."""
@@ -142,6 +228,7 @@ class CompletionRequest(SamplingRequest):
     echo: bool | None = False
     suffix: Text | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)
+    add_special_tokens: bool = True  # the tokenizer's BOS (and the like) before a text prompt
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -184,16 +271,82 @@ class TextPart(BaseModel):
     text: Text
 
 
+class FunctionCall(BaseModel):
+    name: Text
+    arguments: Text | dict = "{}"  # a JSON object as text (OpenAI); some clients send the object
+
+
+class ToolCall(BaseModel):
+    id: Text | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Text | list[TextPart] | None = None
+    name: Text | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: Text | None = None  # a tool's result: which call it answers
+    reasoning_content: Text | None = None  # an assistant's reasoning (templates that keep it see it)
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
+
+    def for_template(self) -> dict:
+        """The message as chat templates read it (transformers' form): tool-call arguments as objects."""
+        message: dict = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            message["reasoning_content"] = self.reasoning_content
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": call.id, "type": call.type,
+                                      "function": {"name": call.function.name,
+                                                   "arguments": _arguments(call.function.arguments)}}
+                                     for call in self.tool_calls]
+        return message
+
+
+def _arguments(arguments: str | dict) -> dict | str:
+    """Tool-call arguments as an object, as templates iterate them (vLLM does the same)."""
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        parsed = json.loads(arguments)
+    except json.JSONDecodeError:
+        raise APIError(400, f"tool call arguments must be a JSON object, got {arguments[:80]!r}",
+                       param="messages") from None
+    if not isinstance(parsed, dict):
+        raise APIError(400, "tool call arguments must be a JSON object", param="messages")
+    return parsed
+
+
+class FunctionDefinition(BaseModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    description: Text | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments object (none: no arguments)
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: Text
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -201,21 +354,50 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    # Passed to the chat template as transformers passes them (tool calls in the output are
-    # returned as text: there is no tool-call parser).
-    tools: list[dict] | None = None
-    tool_choice: Text | dict | None = None  # none or auto (anything else is a 400 naming it)
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    # none, auto (needs --enable-auto-tool-choice), required or a named function; default: auto
+    # with tools, none without.
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True  # false: at most one call
     documents: list[dict] | None = None
     chat_template_kwargs: dict | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last (assistant) message is continued, not closed
+    add_special_tokens: bool = False  # the template writes special tokens itself
+    echo: bool = False  # the response's content starts with the last message's (when it is the assistant's)
+    include_reasoning: bool = True  # with a reasoning parser: false leaves reasoning_content out
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None  # reaches the chat template
+    modalities: list[Literal["text"]] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tool_choice not in (None, "none", "auto"):
-            raise APIError(400, "tool_choice can only be none or auto: tools reach the chat template, and tool "
-                                "calls come back as the model's text (there is no tool-call parser)",
-                           param="tool_choice")
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise APIError(400, "continue_final_message continues the last message: set add_generation_prompt "
+                                "to false", param="continue_final_message")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise APIError(400, "continue_final_message needs the last message to be the assistant's",
+                           param="continue_final_message")
+        choice = self.tool_choice
+        if choice not in (None, "none") and not self.tools:
+            raise APIError(400, "tool_choice needs tools", param="tool_choice")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in self.tool_names:
+            raise APIError(400, f"tool_choice names {choice.function.name!r}, which is not among the tools "
+                                f"({', '.join(self.tool_names)})", param="tool_choice")
+        if len(set(self.tool_names)) < len(self.tool_names):
+            raise APIError(400, "tool names must be unique", param="tools")
+
+    @property
+    def tool_names(self) -> list[str]:
+        return [tool.function.name for tool in self.tools or []]
+
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """OpenAI's default: auto when there are tools, none without."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
 
     def logprob_params(self) -> dict:
         return {"logprobs": self.top_logprobs or 0} if self.logprobs else {}
@@ -224,9 +406,15 @@ class ChatCompletionRequest(SamplingRequest):
     def wants_logprobs(self) -> bool:
         return bool(self.logprobs)
 
+    def template_messages(self) -> list[dict]:
+        return [message.for_template() for message in self.messages]
+
     def template_arguments(self) -> dict:
         """Keyword arguments for Tokenizer.apply_chat_template."""
-        return {**(self.chat_template_kwargs or {}), "tools": self.tools, "documents": self.documents}
+        tools = [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
+        extra = {"reasoning_effort": self.reasoning_effort} if self.reasoning_effort else {}
+        return {**(self.chat_template_kwargs or {}), **extra, "tools": tools, "documents": self.documents,
+                "add_generation_prompt": self.add_generation_prompt}
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -22,6 +22,7 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (as vLLM)
     add_generation_prompt: bool | None = True
     return_token_strs: bool | None = False
+    tools: list[dict] | None = None  # with messages: the tools the chat template lists
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
@@ -40,10 +41,12 @@ class DetokenizeRequest(BaseModel):
 def tokenize(ctx: ApiContext, body: TokenizeRequest) -> dict:
     tokenizer = ctx.tokenizer
     if body.messages is not None:
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
-            text = tokenizer.apply_chat_template(messages,
+            messages = [m.for_template() for m in body.messages]
+            text = tokenizer.apply_chat_template(messages, tools=body.tools,
                                                  add_generation_prompt=body.add_generation_prompt is not False)
+        except APIError:
+            raise
         except Exception as exc:
             raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from None
         ids = tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))

@@ -8,13 +8,16 @@ SentencePiece's strip a leading space at the start of a string, so the context k
 that space where it belongs).
 
 Stop strings: text that could still turn out to start a stop string is held back until
-it cannot; when one matches, the text ends just before it. ``take`` is what a front end
-calls with each engine output (the API server's request runner and the offline ``LLM``).
+it cannot; when one matches, the text ends just before it (or after it, with
+``include_stop``); with ``min_tokens``, only a match that ends after that many tokens
+counts. ``take`` is what a front end calls with each engine output (the API server's
+request runner and the offline ``LLM``).
 """
 
 from __future__ import annotations
 
 from hybridlb.checkpoint.tokenizer import Tokenizer
+from hybridlb.protocol import SamplingParams
 
 _PROMPT_CONTEXT = 6
 _REPLACEMENT = "\ufffd"
@@ -22,9 +25,14 @@ _REPLACEMENT = "\ufffd"
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: list[str] | None = None,
-                 skip_special_tokens: bool = True):
+                 skip_special_tokens: bool = True, include_stop: bool = False, min_tokens: int = 0):
+        """``include_stop``: a matched stop string stays in the text (vLLM's include_stop_str_in_output).
+        ``min_tokens``: stop strings count only once they end after that many tokens."""
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.include_stop = include_stop
+        self.min_tokens = min_tokens
+        self.num_tokens = 0
         self.ids = list(prompt_ids[-_PROMPT_CONTEXT:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -33,6 +41,12 @@ class IncrementalDetokenizer:
         self.text = ""  # all decoded output text so far (cut at a stop string)
         self.emitted = 0  # how much of self.text has been handed out
         self.stop_string: str | None = None
+
+    @classmethod
+    def for_request(cls, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer:
+        """The detokenizer a request's sampling params ask for (stops, special tokens, min_tokens)."""
+        return cls(tokenizer, prompt_ids, params.stop, params.skip_special_tokens, params.include_stop_str_in_output,
+                   params.min_tokens)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, self.skip_special_tokens)
@@ -48,16 +62,19 @@ class IncrementalDetokenizer:
         # A match that involves new text starts at most `hold` characters before it.
         searched_from = max(0, len(self.text) - self.hold)
         self.text += new_text
+        if self.num_tokens < self.min_tokens:
+            return
         hits = [(at, s) for s in self.stop if (at := self.text.find(s, searched_from)) != -1]
         if hits:
             at, self.stop_string = min(hits)
-            self.text = self.text[:at]
+            self.text = self.text[: at + len(self.stop_string) if self.include_stop else at]
 
     def push(self, new_ids: list[int]) -> str:
         """Add tokens; return the text that is now safe to emit ('' if none)."""
         if self.stop_string is not None:
             return ""
         self.ids.extend(new_ids)
+        self.num_tokens += len(new_ids)
         self._advance()
         safe = len(self.text) if self.stop_string is not None else len(self.text) - self.hold
         return self._emit(max(safe, self.emitted))
@@ -90,3 +107,12 @@ class IncrementalDetokenizer:
     @property
     def stopped(self) -> bool:
         return self.stop_string is not None
+
+
+def visible(new_ids: list[int], stop_token_id: int | None, params: SamplingParams) -> list[int]:
+    """The tokens of an engine output whose text the client sees: not the stop token (eos or one
+    of stop_token_ids) that ended the request, unless it asked for stops in the output (vLLM's
+    include_stop_str_in_output)."""
+    if stop_token_id is not None and new_ids and new_ids[-1] == stop_token_id and not params.include_stop_str_in_output:
+        return new_ids[:-1]
+    return new_ids

@@ -85,6 +85,11 @@ class Tokenizer:
             self.eos_token_ids = [] if token_id is None else [token_id]
 
     @property
+    def rust(self) -> RustTokenizer:
+        """The ``tokenizers`` object (grammar libraries build their own view of the vocabulary from it)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 

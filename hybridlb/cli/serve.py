@@ -65,6 +65,16 @@ def serve(
     enable_prefix_caching: Annotated[bool | None, vllm_option(
         "--enable-prefix-caching/--no-enable-prefix-caching",
         help="Reuse cached prompt prefixes (default on).")] = None,
+    structured_outputs_config: Annotated[str | None, vllm_option(
+        help="JSON: backend (auto, llguidance, xgrammar), disable_any_whitespace, disable_additional_properties.")
+    ] = None,
+    enable_auto_tool_choice: Annotated[bool | None, vllm_option(
+        "--enable-auto-tool-choice/--no-enable-auto-tool-choice", help="Allow tool_choice auto (needs "
+        "--tool-call-parser).")] = None,
+    tool_call_parser: Annotated[str | None, vllm_option(
+        help="hermes, llama3_json, mistral or pythonic: how tool calls are read from the output.")] = None,
+    reasoning_parser: Annotated[str | None, vllm_option(
+        help="deepseek_r1 or qwen3: <think>...</think> becomes reasoning_content.")] = None,
     kv_events_config: Annotated[str | None, vllm_option(
         help="KV-cache events as JSON, vLLM's keys, e.g. '{\"enable_kv_cache_events\": true}'.")] = None,
     device: Annotated[str | None, typer.Option(help="cpu or cuda.")] = None,
@@ -107,12 +117,14 @@ def serve(
                        block_size=block_size, seed=seed, torch_threads=torch_threads,
                        share_cores=share_cores, prefix_caching=enable_prefix_caching,
                        kv_events=json_flag("--kv-events-config", kv_events_config),
+                       structured_outputs=json_flag("--structured-outputs-config", structured_outputs_config),
                        expert_parallel=enable_expert_parallel, async_dp_coordination=async_dp_coordination,
                        dp_timeout_s=dp_timeout, simulate=_simulate_flags(simulate_step_ms, simulate_per_token_ms)),
         "api": dict(host=host, port=port, served_model_name=served_names(served_model_name), api_key=api_key,
                     max_concurrent_requests=max_concurrent_requests, request_timeout_s=request_timeout,
-                    chat_template=chat_template,
-                    generation_config=generation_config),
+                    chat_template=chat_template, generation_config=generation_config,
+                    enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
+                    reasoning_parser=reasoning_parser),
         **layout,
     })
 

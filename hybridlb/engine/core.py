@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import FIRST_COMPLETED, wait
 from typing import TYPE_CHECKING
 
 from hybridlb import lifecycle
@@ -18,7 +19,7 @@ from hybridlb.checkpoint.tokenizer import read_eos_token_ids
 from hybridlb.config import EngineConfig
 from hybridlb.engine.block_manager import BlockManager
 from hybridlb.engine.dp_context import DPContext
-from hybridlb.engine.request import Request
+from hybridlb.engine.request import Request, Status
 from hybridlb.engine.scheduler import ScheduledChunk, Scheduler
 from hybridlb.prefix_hash import hash_seed
 from hybridlb.protocol import EngineReady, EngineStats, RequestOutput, SamplingParams
@@ -27,6 +28,7 @@ if TYPE_CHECKING:  # torch and the model load only with the real runner (not a s
     from hybridlb.engine.block_manager import Removed, Stored
     from hybridlb.engine.expert_parallel import ExpertParallel
     from hybridlb.engine.model_runner import ModelRunner
+    from hybridlb.grammar import GrammarCache
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +47,11 @@ class EngineCore:
                                    hash_seed(config.model))
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.blocks)
         self.requests: dict[str, Request] = {}
+        # Structured outputs: compiled grammars (made at the first constrained request), requests
+        # whose grammar is still compiling (not scheduled yet), and outputs of those that failed.
+        self.grammars: GrammarCache | None = None
+        self.compiling: list[Request] = []
+        self._early_outputs: list[RequestOutput] = []
         self.num_steps = 0
         self.step_failures = 0
         self.busy_s = 0.0
@@ -64,9 +71,25 @@ class EngineCore:
         max_tokens = min(params.max_tokens or room, room)
         generator = self.runner.generator(params.seed) if params.seed is not None else None
         request = Request(request_id, prompt_token_ids, params, max_tokens, generator)
+        if params.min_tokens:
+            eos = set() if params.ignore_eos else self.eos_token_ids
+            request.min_tokens_banned = sorted(eos | set(params.stop_token_ids))
         self.requests[request_id] = request
-        self.scheduler.add(request)
+        if params.constraint is None:
+            self.scheduler.add(request)
+        else:  # scheduled once its grammar compiled (see schedule)
+            request.compiling = self._grammar_cache().matcher(params.constraint)
+            self.compiling.append(request)
         return None
+
+    def _grammar_cache(self) -> GrammarCache:
+        if self.grammars is None:
+            from hybridlb.checkpoint.tokenizer import Tokenizer
+            from hybridlb.grammar import GrammarCache, make_backend
+
+            options, model, vocab = self.config.structured_outputs, self.config.model, self.vocab_size
+            self.grammars = GrammarCache(lambda: make_backend(options, Tokenizer(model), vocab), options.cache_size)
+        return self.grammars
 
     def _check(self, request_id: str, prompt: list[int], params: SamplingParams) -> str | None:
         if request_id in self.requests:
@@ -78,13 +101,15 @@ class EngineCore:
                     "shorten the prompt")
         if min(prompt) < 0 or max(prompt) >= self.vocab_size:
             return f"prompt token ids must be in [0, {self.vocab_size})"
-        if any(token >= self.vocab_size for token in params.logit_bias):
-            return f"logit_bias token ids must be in [0, {self.vocab_size})"
+        if (problem := params.out_of_vocab(self.vocab_size)) is not None:
+            return problem
         problems = params.problems()
         if problems:
             return "; ".join(message for _, message in problems)
         if (params.logprobs is not None or params.prompt_logprobs is not None) and not self.runner.scores_logprobs:
             return "this engine has no model (engine.simulate), so it has no log-probabilities; drop logprobs"
+        if params.constraint is not None and not self.runner.scores_logprobs:
+            return "this engine has no model (engine.simulate), so it cannot follow a grammar; drop the constraint"
         return None
 
     def abort(self, request_ids: list[str]) -> list[RequestOutput]:
@@ -92,30 +117,65 @@ class EngineCore:
         outputs = []
         for request_id in request_ids:
             request = self.requests.pop(request_id, None)
-            if request is not None:
+            if request is None:
+                continue
+            if request in self.compiling:
+                self.compiling.remove(request)
+                request.status = Status.FINISHED
+            else:
                 self.scheduler.finish(request)
-                outputs.append(RequestOutput(request_id, [], finish_reason="abort"))
+            outputs.append(RequestOutput(request_id, [], finish_reason="abort"))
         return outputs
 
     # -- the step ------------------------------------------------------------------
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or bool(self.compiling) or bool(self._early_outputs)
 
     def step(self) -> list[RequestOutput]:
         """One step of a dense engine. A step that raises fails only its own requests (an
         expert-parallel engine steps through ``Lockstep``, where a failure breaks the group)."""
         chunks = self.schedule()
+        early = self.take_early_outputs()
         if not chunks:
-            return []
+            if self.compiling and not early:  # nothing to run until a grammar compiles: wait for one, briefly
+                wait([r.compiling for r in self.compiling], timeout=0.005, return_when=FIRST_COMPLETED)
+            return early
         try:
-            return self.run_chunks(chunks)
+            return early + self.run_chunks(chunks)
         except Exception as exc:
-            return self._fail_step(chunks, exc)
+            return early + self._fail_step(chunks, exc)
 
     def schedule(self) -> list[ScheduledChunk]:
         """What the next step computes (``Lockstep`` exchanges its size before running it)."""
+        if self.compiling:
+            self._admit_compiled()
         return self.scheduler.schedule()
+
+    def take_early_outputs(self) -> list[RequestOutput]:
+        """Outputs decided outside a step (a grammar that failed to compile)."""
+        outputs, self._early_outputs = self._early_outputs, []
+        return outputs
+
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar compiled join the scheduler's queue; those whose grammar failed end."""
+        from hybridlb.grammar import GrammarError
+
+        for request in [r for r in self.compiling if r.compiling.done()]:
+            self.compiling.remove(request)
+            future, request.compiling = request.compiling, None
+            if (error := future.exception()) is None:
+                request.grammar = future.result()
+                self.scheduler.add(request)
+                continue
+            del self.requests[request.request_id]
+            request.status = Status.FINISHED
+            kind = "invalid" if isinstance(error, GrammarError) else "internal"
+            if kind == "internal":
+                log.error("engine %d: the grammar of request %s failed: %s: %s", self.rank, request.request_id,
+                          type(error).__name__, error)
+            self._early_outputs.append(RequestOutput(request.request_id, [], "error", error=str(error),
+                                                     error_kind=kind))
 
     def _fail_step(self, chunks: list[ScheduledChunk], exc: Exception) -> list[RequestOutput]:
         log.exception("engine %d: a step of %d requests failed; failing those requests and serving on",
@@ -163,10 +223,14 @@ class EngineCore:
                 continue
             token = next(sampled)
             request.token_ids.append(token)
-            reason, stop_token = self._finish_reason(request, token)
+            reason, stop_token, error = self._follow_grammar(request, token) if request.grammar else (None, None, None)
+            if reason is None:
+                reason, stop_token = self._finish_reason(request, token)
             logprobs, prompt_logprobs = request.take_logprobs()
             output = RequestOutput(request.request_id, [token], reason, stop_token, logprobs=logprobs,
                                    prompt_logprobs=prompt_logprobs)
+            if error is not None:
+                output.error, output.error_kind = error, "internal"
             if request.num_output_tokens == 1 and request.scheduled_at is not None:
                 output.queued_s = round(request.scheduled_at - request.arrived_at, 6)
                 output.prefill_s = round(time.monotonic() - request.scheduled_at, 6)
@@ -175,6 +239,20 @@ class EngineCore:
                 self.scheduler.finish(request)
                 del self.requests[request.request_id]
         return outputs
+
+    def _follow_grammar(self, request: Request, token: int) -> tuple[str | None, int | None, str | None]:
+        """Advance the request's grammar by the token it sampled: (finish reason, stop token, error)."""
+        if not request.grammar_started:
+            after = request.params.constraint.after
+            request.grammar_started = request.output_token_ids[-len(after):] == after
+            return None, None, None
+        if not request.grammar.accept(token):  # the mask allowed it, so only an engine bug gets here
+            log.error("engine %d: request %s sampled token %d, which its grammar rejects", self.rank,
+                      request.request_id, token)
+            return "error", None, f"engine {self.rank}: the output left the request's grammar at token {token}"
+        if request.grammar.done:  # complete, and nothing may follow
+            return "stop", token if token in self.eos_token_ids or token in request.stop_ids else None, None
+        return None, None, None
 
     def _finish_reason(self, request: Request, token: int) -> tuple[str | None, int | None]:
         if token in request.stop_ids or (token in self.eos_token_ids and not request.params.ignore_eos):

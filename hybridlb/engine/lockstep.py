@@ -49,17 +49,18 @@ class Lockstep:
     def step(self) -> tuple[list[RequestOutput], WaveComplete | None]:
         """One lockstep step: real work, a dummy step, or the end of the wave."""
         chunks = self.core.schedule()
+        early = self.core.take_early_outputs()  # grammars that failed to compile
         started = time.perf_counter()  # a synchronous metadata exchange is part of the step's busy time
         self.ep.begin_step(sum(c.num_tokens for c in chunks), self.core.has_work)
         if chunks:
-            return self.core.run_chunks(chunks, started), None
+            return early + self.core.run_chunks(chunks, started), None
         if self.ep.any_work:
             self.dummy_steps += 1
             self.core.dummy_step(started)  # no tokens, but joins every MoE layer's collectives
-            return [], None
+            return early, None
         finished = self.wave
         self.wave, self.running = finished + 1, False
-        return [], WaveComplete(finished) if self.core.rank == 0 else None
+        return early, WaveComplete(finished) if self.core.rank == 0 else None
 
     def annotate(self, stats: EngineStats) -> EngineStats:
         return msgspec.structs.replace(stats, dummy_steps=self.dummy_steps, wave=self.wave, running=self.running,

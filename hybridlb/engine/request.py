@@ -9,7 +9,11 @@ from typing import TYPE_CHECKING
 from hybridlb.protocol import SamplingParams, TokenLogprobs
 
 if TYPE_CHECKING:  # a simulated engine never loads torch (start-up time and memory per process)
+    from concurrent.futures import Future
+
     import torch
+
+    from hybridlb.grammar import Matcher
 
 
 class Status(enum.Enum):
@@ -51,6 +55,13 @@ class Request:
         self.logprobs: list[TokenLogprobs] = []
         self.prompt_logprobs: list[TokenLogprobs | None] | None = None if params.prompt_logprobs is None else [None]
         self.prompt_logprobs_sent = False
+        # Structured outputs: the matcher once its grammar compiled (``compiling`` until then),
+        # and whether the constrained part began (at once, or after params.constraint.after).
+        self.compiling: Future[Matcher] | None = None
+        self.grammar: Matcher | None = None
+        self.grammar_started = params.constraint is not None and not params.constraint.after
+        # Tokens masked until min_tokens are out (eos and stop_token_ids), set by the engine.
+        self.min_tokens_banned: list[int] = []
 
     @property
     def num_tokens(self) -> int:
@@ -63,6 +74,21 @@ class Request:
     @property
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def constrained(self) -> bool:
+        """Whether this step's logits go through the grammar's mask."""
+        return self.grammar is not None and self.grammar_started
+
+    @property
+    def masks_logits(self) -> bool:
+        """Whether anything beyond the grammar restricts this row's tokens (the sampler's masks)."""
+        return bool(self.params.allowed_token_ids or self.params.bad_words
+                    or (self.min_tokens_banned and self.num_output_tokens < self.params.min_tokens))
 
     def take_logprobs(self) -> tuple[list[TokenLogprobs] | None, list[TokenLogprobs | None] | None]:
         """What the next output carries: the new tokens' log-probabilities, and the prompt's once."""

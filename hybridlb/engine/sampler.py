@@ -1,7 +1,11 @@
 """Turn the last-position logits of a batch into one token per request.
 
-A repetition penalty (as in transformers and vLLM) first divides the positive logits,
-and multiplies the negative ones, of every token already in the prompt or output; the
+First the tokens a request may not produce get -inf: whatever its grammar does not allow
+next (structured outputs: each constrained row's matcher fills its row of a token bitmask),
+tokens outside allowed_token_ids, eos and stop tokens before min_tokens, and the last token
+of a bad word whose other tokens the output just produced. A repetition penalty (as in
+transformers and vLLM) then divides the positive logits, and multiplies the negative ones,
+of every token already in the prompt or output; the
 presence and frequency penalties (OpenAI's) subtract from the logits of tokens already
 generated; logit_bias adds to the logits it names. Greedy rows then take the argmax.
 Sampled rows apply temperature, top-k, top-p and min-p, then
@@ -12,6 +16,7 @@ same tokens whatever else shares its batch.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from hybridlb.engine.request import Request
@@ -23,6 +28,10 @@ class Sampler:
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
+        _apply_grammars(logits, requests)
+        for row, request in enumerate(requests):
+            if request.masks_logits:
+                _restrict(logits[row], request)
         _penalize_repetition(logits, requests)
         _penalize_presence_and_frequency(logits, requests)
         _bias(logits, requests)
@@ -47,6 +56,40 @@ class Sampler:
         for row, request in enumerate(requests):
             noise[row].exponential_(generator=request.generator or self.generator)
         return noise
+
+
+def _apply_grammars(logits: torch.Tensor, requests: list[Request]) -> None:
+    """-inf for every token the grammar of a constrained row does not allow next."""
+    rows = [row for row, request in enumerate(requests) if request.constrained]
+    if not rows:
+        return
+    vocab = logits.shape[-1]
+    bitmask = np.zeros((len(rows), (vocab + 31) // 32), dtype=np.int32)
+    for i, row in enumerate(rows):
+        requests[row].grammar.fill(bitmask, i)
+    # Bit b of word w is token 32w + b: on a little-endian machine, byte-wise little bit order.
+    allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, count=vocab, bitorder="little")
+    forbidden = torch.from_numpy(allowed).to(logits.device) == 0
+    index = torch.tensor(rows, device=logits.device)
+    logits[index] = logits[index].masked_fill(forbidden, float("-inf"))
+
+
+def _restrict(logits: torch.Tensor, request: Request) -> None:
+    """One row's allowed_token_ids, min_tokens and bad_words."""
+    params = request.params
+    if params.allowed_token_ids:
+        keep = torch.tensor(params.allowed_token_ids, device=logits.device)
+        kept = logits[keep]
+        logits.fill_(float("-inf"))
+        logits[keep] = kept
+    if request.num_output_tokens < params.min_tokens and request.min_tokens_banned:
+        logits[torch.tensor(request.min_tokens_banned, device=logits.device)] = float("-inf")
+    if params.bad_words:
+        output = request.output_token_ids
+        for word in params.bad_words:
+            before = word[:-1]
+            if not before or (len(output) >= len(before) and output[len(output) - len(before):] == before):
+                logits[word[-1]] = float("-inf")
 
 
 def _penalize_repetition(logits: torch.Tensor, requests: list[Request]) -> None:

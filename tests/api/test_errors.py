@@ -12,7 +12,7 @@ BAD_COMPLETIONS = [
     ({"temperature": -0.5}, "temperature"),
     ({"top_p": 0}, "top_p"),
     ({"top_p": 1.5}, "top_p"),
-    ({"top_k": -1}, "top_k"),
+    ({"top_k": -2}, "top_k"),  # -1 and 0 are "off", as vLLM reads them
     ({"n": 0}, "n"),
     ({"max_tokens": 500, "prompt": "word " * 100}, "max_tokens"),
     ({"prompt": [99999]}, "prompt"),
@@ -22,7 +22,8 @@ BAD_COMPLETIONS = [
     ({"min_p": 1.5}, "min_p"),
     ({"logit_bias": {"GPU": 5}}, "logit_bias"),  # keys are token ids
     ({"logit_bias": {"99999": 5}}, "logit_bias"),  # beyond the vocabulary
-    ({"response_format": {"type": "json_object"}}, "response_format"),  # not implemented: said, not ignored
+    ({"use_beam_search": True}, "use_beam_search"),  # not implemented: said, not ignored
+    ({"structured_outputs": {"regex": "(ab"}}, "structured_outputs.regex"),  # the library's complaint
 ]
 
 

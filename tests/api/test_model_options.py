@@ -63,9 +63,10 @@ def test_chat_uses_the_template_given_on_the_command_line(server, greedy_by_defa
     assert response.status_code == 200, response.text
     tokenizer = Tokenizer(greedy_by_default)
     assert response.json()["usage"]["prompt_tokens"] == len(tokenizer.encode("Q: Hello\nA:", add_special_tokens=False))
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}] * 2
+    tools = [{"type": "function", "function": {"name": name, "parameters": {"type": "object"}}} for name in "fg"]
     response = _post(server, "chat/completions", {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2,
-                                                   "tools": tools, "chat_template_kwargs": {"greeting": "Hi!"}})
+                                                   "tools": tools, "tool_choice": "none",
+                                                   "chat_template_kwargs": {"greeting": "Hi!"}})
     expected = tokenizer.encode("[2 tools] Hi! Q: Hello\nA:", add_special_tokens=False)
     assert response.status_code == 200 and response.json()["usage"]["prompt_tokens"] == len(expected)
     failing = _post(server, "chat/completions", {"messages": [{"role": "user", "content": "boom"}]})

@@ -1,0 +1,136 @@
+"""Tool calls in a model's output, as OpenAI's API returns them.
+
+A parser (one module per model family: ``hermes``, ``llama3_json``, ``mistral``,
+``pythonic``; ``forced`` for the calls a grammar forced) reads the text generated so far
+and says what is surely content and which calls it holds so far (``Scan``): each call's
+name once it is whole and its arguments' JSON text so far, which only ever grows. Both
+shapes of the response come from that one reading:
+
+* ``extract(parser, text)``: the whole output as ``(content, tool_calls)``; text that does
+  not parse as the family's calls is returned as content, as vLLM does;
+* ``ToolStream``: chunk by chunk, the deltas the ``openai`` SDK accumulates (a call's first
+  delta carries its index, id, type and name, the next ones fragments of its arguments).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+
+@dataclass
+class CallSoFar:
+    name: str | None  # known once whole
+    arguments: str  # the arguments' JSON text so far: a prefix of the final text
+    complete: bool = False
+
+
+@dataclass
+class Scan:
+    content: str  # text that is surely content (streaming: a possible start of a call is held back)
+    calls: list[CallSoFar] = field(default_factory=list)
+    undecided: bool = False  # not yet known whether this output is calls or content
+
+
+class ToolParser:
+    name: ClassVar[str]
+    skip_special_tokens: ClassVar[bool] = True  # False where a family's markers are special tokens
+
+    def scan(self, text: str, final: bool) -> Scan:
+        """Read ``text`` (``final``: the whole output). Raises ValueError for calls that cannot parse."""
+        raise NotImplementedError
+
+    def call_id(self) -> str:
+        return f"call_{secrets.token_hex(12)}"
+
+
+def held_back(text: str, marker: str) -> int:
+    """How many characters at the end of ``text`` could be the start of ``marker``."""
+    for size in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-size:]):
+            return size
+    return 0
+
+
+def content_before(text: str, marker: str, final: bool) -> str:
+    return text if final else text[: len(text) - held_back(text, marker)]
+
+
+def _valid_arguments(arguments: str) -> bool:
+    try:
+        return isinstance(json.loads(arguments), dict)
+    except json.JSONDecodeError:
+        return False
+
+
+def extract(parser: ToolParser, text: str) -> tuple[str | None, list[dict]]:
+    """The whole output as (content, tool_calls); (text, []) when it holds no well-formed calls."""
+    try:
+        scan = parser.scan(text, final=True)
+    except ValueError:
+        return text or None, []
+    calls = scan.calls
+    if not calls or any(c.name is None or not c.complete or not _valid_arguments(c.arguments) for c in calls):
+        return text or None, []
+    content = scan.content.strip()
+    return content or None, [_call(parser.call_id(), c.name, c.arguments) for c in calls]
+
+
+def _call(call_id: str, name: str, arguments: str) -> dict:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+class ToolStream:
+    """One choice's streamed output: ``push`` each text delta, get (content delta, tool-call deltas)."""
+
+    def __init__(self, parser: ToolParser):
+        self.parser = parser
+        self.text = ""
+        self.content_sent = 0
+        self.sent: list[list] = []  # per call: [id, characters of its arguments sent]
+        self.as_content = False  # the calls did not parse: everything from there on is content
+
+    @property
+    def called(self) -> bool:
+        return bool(self.sent)
+
+    def push(self, delta: str, final: bool = False) -> tuple[str, list[dict]]:
+        self.text += delta
+        if self.as_content:
+            return self._content(self.text), []
+        try:
+            scan = self.parser.scan(self.text, final)
+        except ValueError:
+            self.as_content = True
+            return self._content(self.text), []
+        if final and (scan.undecided or (scan.calls and not self.sent and any(c.name is None for c in scan.calls))):
+            return self._content(self.text), []  # it never became a call: it was content
+        deltas = []
+        for index, call in enumerate(scan.calls):
+            if call.name is None:
+                break  # a later call's deltas wait for this one's name
+            if index == len(self.sent):
+                call_id = self.parser.call_id()
+                self.sent.append([call_id, 0])
+                deltas.append({"index": index, "id": call_id, "type": "function",
+                               "function": {"name": call.name, "arguments": ""}})
+            fresh = call.arguments[self.sent[index][1] :]
+            if fresh:
+                self.sent[index][1] = len(call.arguments)
+                deltas.append({"index": index, "function": {"arguments": fresh}})
+        return self._content(scan.content), deltas
+
+    def _content(self, content: str) -> str:
+        fresh = content[self.content_sent :]
+        self.content_sent = max(self.content_sent, len(content))
+        return fresh
+
+
+def make_parser(name: str) -> ToolParser:
+    from hybridlb.api.tools import hermes, llama3_json, mistral, pythonic
+
+    parsers = {"hermes": hermes.HermesParser, "llama3_json": llama3_json.Llama3JsonParser,
+               "mistral": mistral.MistralParser, "pythonic": pythonic.PythonicParser}
+    return parsers[name]()

@@ -1,0 +1,117 @@
+"""The grammar layer without a server: constraints checked (the API's 400s), compiled once per
+distinct constraint off the caller's thread, matchers that mask and finish."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from hybridlb.checkpoint.tokenizer import Tokenizer
+from hybridlb.config import StructuredOutputsConfig
+from hybridlb.grammar import GrammarCache, GrammarError, check, make_backend
+from hybridlb.grammar.backend import ascii_digits
+from hybridlb.protocol import Constraint
+from tests.conftest import SMOLLM2
+
+OPTIONS = StructuredOutputsConfig()
+
+
+@pytest.mark.parametrize(("constraint", "says"), [
+    (Constraint("json", '{"type": "objectt"}'), "Invalid type"),
+    (Constraint("json", '{"type": "integer", "minimum": 5, "maximum": 1}'), "minimum"),
+    (Constraint("json", '{"$ref": "#/$defs/missing"}'), "missing"),
+    (Constraint("json", '{"type": "object", '), "not JSON"),
+    (Constraint("regex", "(ab"), "unclosed group"),
+    (Constraint("regex", r"(a)\1"), "backreferences"),
+    (Constraint("choice", "[]"), "non-empty list"),
+    (Constraint("grammar", "start: foo"), "unknown name"),
+    (Constraint("structural_tag", '{"structures": []}'), "structures"),
+])
+def test_a_constraint_the_library_refuses_says_why(constraint, says):
+    with pytest.raises(GrammarError, match=says):
+        check(constraint, OPTIONS)
+
+
+def test_digits_mean_ascii_digits():
+    assert ascii_digits(r"\d{3}-\d{4}") == "[0-9]{3}-[0-9]{4}"
+    assert ascii_digits(r"[\d.]+\D") == "[0-9.]+[^0-9]"
+    assert ascii_digits(r"\\d") == r"\\d"  # an escaped backslash, then a letter
+
+
+@pytest.fixture(scope="module")
+def backend():
+    tokenizer = Tokenizer(SMOLLM2)
+    return make_backend(OPTIONS, tokenizer, tokenizer.vocab_size), tokenizer
+
+
+def _allowed(matcher, vocab: int) -> set[int]:
+    bitmask = np.zeros((1, (vocab + 31) // 32), dtype=np.int32)
+    matcher.fill(bitmask, 0)
+    bits = np.unpackbits(bitmask.view(np.uint8), axis=1, count=vocab, bitorder="little")[0]
+    return set(np.flatnonzero(bits).tolist())
+
+
+def test_a_matcher_allows_only_what_the_grammar_can_continue_with(backend):
+    engine_backend, tokenizer = backend
+    matcher = engine_backend.matcher(engine_backend.compile(Constraint("choice", json.dumps(["yes", "no"]))))
+    allowed = _allowed(matcher, tokenizer.vocab_size)
+    texts = {tokenizer.decode([t]) for t in allowed}
+    assert texts and all("yes".startswith(t) or "no".startswith(t) for t in texts), texts
+    for token in tokenizer.encode("yes", add_special_tokens=False):
+        assert not matcher.done
+        assert matcher.accept(token)
+    assert matcher.done  # nothing may follow "yes": the request finishes without waiting for eos
+
+
+def test_each_distinct_constraint_compiles_once_and_requests_share_it():
+    made = []
+
+    class Slow:
+        name = "slow"
+
+        def compile(self, constraint):
+            time.sleep(0.2)
+            made.append(constraint.value)
+            return constraint.value
+
+        def matcher(self, compiled):
+            return object()
+
+    cache = GrammarCache(Slow, size=2)
+    started = time.perf_counter()
+    futures = [cache.matcher(Constraint("regex", "a+")) for _ in range(5)]
+    assert time.perf_counter() - started < 0.1  # compiling happens on the grammar thread, not the caller's
+    matchers = [f.result(5) for f in futures]
+    assert made == ["a+"] and len({id(m) for m in matchers}) == 5  # one compile, a matcher per request
+    assert cache.matcher(Constraint("regex", "a+")).done()  # cached: ready at once
+    for value in ("b+", "c+"):
+        cache.matcher(Constraint("regex", value)).result(5)
+    cache.matcher(Constraint("regex", "a+")).result(5)  # evicted by the two newer ones: compiled again
+    assert made == ["a+", "b+", "c+", "a+"]
+    assert cache.compiled == 4 and cache.hits == 1
+    cache.close()
+
+
+def test_a_failed_compile_fails_only_its_requests():
+    class Picky:
+        name = "picky"
+
+        def compile(self, constraint):
+            if constraint.value == "bad":
+                raise GrammarError("regex", "no")
+            return constraint.value
+
+        def matcher(self, compiled):
+            return compiled
+
+    cache = GrammarCache(Picky, size=4)
+    bad, good = cache.matcher(Constraint("regex", "bad")), cache.matcher(Constraint("regex", "good"))
+    with pytest.raises(GrammarError, match="no"):
+        bad.result(5)
+    assert good.result(5) == "good"
+    assert threading.active_count() < 50
+    cache.close()
