@@ -32,7 +32,7 @@ import httpx
 from common import SMOLLM2, Server, previous_results, smollm2_hf_dir, stamp, vllm_executable, wait_quiet
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.structured.test_structured_api import SCHEMAS  # noqa: E402 - the schemas the tests check
+from tests.structured.test_structured_api import SCHEMAS
 
 LONG = {"type": "object", "properties": {"story": {"type": "string", "minLength": 600, "maxLength": 2000}},
         "required": ["story"]}
@@ -177,10 +177,11 @@ def main() -> None:
     load_table = {field: statistics.median(r[field] for r in load) for field in load[0]}
     for name, rows in table.items():
         for key, row in rows.items():
-            print(f"{name:<10}{key:<8}{row['output_tok_s']:>7.1f} tok/s ("
-                  f"{', '.join(f'{r[key]['output_tok_s']:.0f}' for r in raw[name])})  TPOT {row['mean_tpot_ms']:.1f} ms")
+            each = ", ".join(f"{r[key]['output_tok_s']:.0f}" for r in raw[name])
+            print(f"{name:<10}{key:<8}{row['output_tok_s']:>7.1f} tok/s ({each})  TPOT {row['mean_tpot_ms']:.1f} ms")
     for tokens in (32, 64):
-        ratio = table["hybridlb"][f"json-{tokens}"]["mean_tpot_ms"] / table["hybridlb"][f"free-{tokens}"]["mean_tpot_ms"]
+        ours = table["hybridlb"]
+        ratio = ours[f"json-{tokens}"]["mean_tpot_ms"] / ours[f"free-{tokens}"]["mean_tpot_ms"]
         print(f"hybridlb TPOT constrained / free at {tokens} tokens: {ratio:.2f}x")
     meta = stamp(rounds=args.rounds, concurrency=CONCURRENCY, requests=REQUESTS)
     previous = previous_results(args.out)

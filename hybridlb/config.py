@@ -103,8 +103,9 @@ class StructuredOutputsConfig(_Section):
         False, description="JSON output without whitespace between tokens (compact); default: flexible whitespace."
     )
     disable_additional_properties: bool = Field(
-        False, description="JSON schemas that do not say additionalProperties get false (no keys beyond "
-        "properties)."
+        True, description="Object schemas with properties that do not say additionalProperties get false: "
+        "no keys beyond those listed (what vLLM's default xgrammar backend does, and OpenAI's strict mode asks "
+        "for). false: JSON Schema's open objects, where a small model may add keys until max_tokens."
     )
     cache_size: int = Field(256, ge=1, description="Compiled grammars kept per engine (least recently used go).")
 

@@ -116,11 +116,16 @@ class Constraint(msgspec.Struct, omit_defaults=True):
     backend (``hybridlb.grammar``): ``json`` a JSON schema (JSON text; ``{"type": "object"}``
     for JSON mode), ``regex``, ``choice`` (a JSON list of strings), ``grammar`` (Lark, or GBNF
     EBNF) or ``structural_tag`` (vLLM's JSON form). ``after``: token ids that start the
-    constrained part (a reasoning model's end-of-thinking marker); empty: from the first token."""
+    constrained part (a reasoning model's end-of-thinking marker); empty: from the first token.
+    ``opener`` (with ``after``): the start-of-thinking marker's ids, for models that may or may
+    not think (Qwen3): the first token may be the grammar's or the opener's first; one that
+    starts the opener must complete it, and the grammar then waits for ``after``; any other
+    starts the constrained part at once."""
 
     kind: str
     value: str
     after: list[int] = msgspec.field(default_factory=list)
+    opener: list[int] = msgspec.field(default_factory=list)
     compact: bool = False  # JSON without whitespace between tokens (disable_any_whitespace)
     closed: bool = False  # object schemas that do not say otherwise allow no other keys (disable_additional_properties)
 

@@ -54,6 +54,11 @@ class ApiContext:
     runner: RequestRunner | None = None
 
     @property
+    def reasoning_start_ids(self) -> list[int]:
+        """The tokens of ``<think>`` (see Constraint.opener)."""
+        return self.tokenizer.encode("<think>", add_special_tokens=False)
+
+    @property
     def reasoning_end_ids(self) -> list[int]:
         """The tokens of ``</think>``: a reasoning model's constraint starts after them."""
         return self.tokenizer.encode("</think>", add_special_tokens=False)

@@ -125,6 +125,21 @@ def completion_job(ctx: ApiContext, body: CompletionRequest) -> Job:
                body.wants_logprobs, echo, body.choices, body.candidates, continuous_usage=body.continuous_usage)
 
 
+def _after_reasoning(ctx: ApiContext, constraint: Constraint, parser: str, opened: bool) -> Constraint:
+    """Where a reasoning model's constraint starts. deepseek_r1 (and a prompt that opened
+    ``<think>``): after ``</think>``. qwen3: an output that does not open with ``<think>`` is
+    content, constrained from its first token; so the first token may be the grammar's or
+    ``<think>`` (Constraint.opener) where that is one token, as Qwen3's vocabulary has it.
+    Where it is not, the model cannot think in Qwen3's way (a misconfigured parser) and the
+    grammar starts at once rather than at a ``</think>`` that would never come."""
+    if parser == "deepseek_r1" or opened:
+        return msgspec.structs.replace(constraint, after=ctx.reasoning_end_ids)
+    opener = ctx.reasoning_start_ids
+    if len(opener) != 1:
+        return constraint
+    return msgspec.structs.replace(constraint, after=ctx.reasoning_end_ids, opener=opener)
+
+
 def chat_job(ctx: ApiContext, body: ChatCompletionRequest) -> Job:
     body.check_supported()
     api = ctx.config.api
@@ -132,7 +147,7 @@ def chat_job(ctx: ApiContext, body: ChatCompletionRequest) -> Job:
     constraint = tools.constraint or structured.constraint_for(body, ctx.config.engine.structured_outputs)
     text = _render(ctx, body)
     if constraint is not None and api.reasoning_parser and not reasoning_ended(text):
-        constraint = msgspec.structs.replace(constraint, after=ctx.reasoning_end_ids)
+        constraint = _after_reasoning(ctx, constraint, api.reasoning_parser, reasoning_opened(text))
     ids = _truncated(ctx, body, ctx.tokenizer.encode(text, add_special_tokens=body.add_special_tokens))
     params = _params(ctx, body, ids, body.requested_max_tokens, constraint)
     if tools.parser is not None and not tools.parser.skip_special_tokens:

@@ -242,7 +242,13 @@ class EngineCore:
 
     def _follow_grammar(self, request: Request, token: int) -> tuple[str | None, int | None, str | None]:
         """Advance the request's grammar by the token it sampled: (finish reason, stop token, error)."""
-        if not request.grammar_started:
+        if request.opening:
+            output, opener = request.output_token_ids, request.params.constraint.opener
+            if output == opener[: len(output)]:  # thinking: the grammar waits for `after`
+                request.opening = len(output) < len(opener)
+                return None, None, None
+            request.opening, request.grammar_started = False, True  # no opener: the token is the grammar's
+        elif not request.grammar_started:
             after = request.params.constraint.after
             request.grammar_started = request.output_token_ids[-len(after):] == after
             return None, None, None

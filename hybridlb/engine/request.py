@@ -60,6 +60,8 @@ class Request:
         self.compiling: Future[Matcher] | None = None
         self.grammar: Matcher | None = None
         self.grammar_started = params.constraint is not None and not params.constraint.after
+        # While the output may still become the constraint's opener (see Constraint.opener).
+        self.opening = params.constraint is not None and bool(params.constraint.after and params.constraint.opener)
         # Tokens masked until min_tokens are out (eos and stop_token_ids), set by the engine.
         self.min_tokens_banned: list[int] = []
 
@@ -82,7 +84,14 @@ class Request:
     @property
     def constrained(self) -> bool:
         """Whether this step's logits go through the grammar's mask."""
-        return self.grammar is not None and self.grammar_started
+        return self.grammar is not None and (self.grammar_started or (self.opening and not self.num_output_tokens))
+
+    @property
+    def forced_token(self) -> int | None:
+        """The opener's next token, once the output began it (nothing else may follow)."""
+        if not self.opening or not self.num_output_tokens:
+            return None
+        return self.params.constraint.opener[self.num_output_tokens]
 
     @property
     def masks_logits(self) -> bool:

@@ -32,6 +32,10 @@ class Sampler:
         for row, request in enumerate(requests):
             if request.masks_logits:
                 _restrict(logits[row], request)
+            if (forced := request.forced_token) is not None:
+                kept = logits[row, forced].clone()
+                logits[row] = float("-inf")
+                logits[row, forced] = kept
         _penalize_repetition(logits, requests)
         _penalize_presence_and_frequency(logits, requests)
         _bias(logits, requests)
@@ -66,7 +70,11 @@ def _apply_grammars(logits: torch.Tensor, requests: list[Request]) -> None:
     vocab = logits.shape[-1]
     bitmask = np.zeros((len(rows), (vocab + 31) // 32), dtype=np.int32)
     for i, row in enumerate(rows):
-        requests[row].grammar.fill(bitmask, i)
+        request = requests[row]
+        request.grammar.fill(bitmask, i)
+        if request.opening:  # the first token may also start the reasoning (Constraint.opener)
+            first = request.params.constraint.opener[0]
+            bitmask.view(np.uint32)[i, first // 32] |= np.uint32(1 << (first % 32))
     # Bit b of word w is token 32w + b: on a little-endian machine, byte-wise little bit order.
     allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, count=vocab, bitorder="little")
     forbidden = torch.from_numpy(allowed).to(logits.device) == 0

@@ -64,25 +64,47 @@ def json_schema(constraint: Constraint, options: StructuredOutputsConfig) -> dic
         schema = json.loads(constraint.value)
     except json.JSONDecodeError as exc:
         raise GrammarError("json", f"not JSON: {exc}") from None
+    except RecursionError:
+        raise GrammarError("json", "nested too deeply") from None
     if not isinstance(schema, (dict, bool)):
         raise GrammarError("json", f"a schema is a JSON object, got {type(schema).__name__}")
-    if constraint.closed or options.disable_additional_properties:
-        _close_objects(schema)
-    _ascii_patterns(schema)
+    try:
+        if constraint.closed or options.disable_additional_properties:
+            _close_objects(schema)
+        _ascii_patterns(schema)
+    except RecursionError:
+        raise GrammarError("json", "nested too deeply") from None
     return schema
 
 
-def _close_objects(node: object) -> None:
-    """disable_additional_properties: every object schema that does not say otherwise gets
-    ``additionalProperties: false``."""
-    if isinstance(node, dict):
-        if (node.get("type") == "object" or "properties" in node) and "additionalProperties" not in node:
+def _close_objects(schema: object) -> None:
+    """disable_additional_properties: every object schema that lists properties and does not
+    say otherwise gets ``additionalProperties: false`` (``{"type": "object"}`` stays open)."""
+    nodes = list(_subschemas(schema))
+    # allOf's members combine: closing each would forbid the others' keys
+    combined = {id(member) for node in nodes if isinstance(node.get("allOf"), list) for member in node["allOf"]}
+    for node in nodes:
+        if isinstance(node.get("properties"), dict) and "additionalProperties" not in node and id(node) not in combined:
             node["additionalProperties"] = False
-        for value in node.values():
-            _close_objects(value)
-    elif isinstance(node, list):
-        for value in node:
-            _close_objects(value)
+
+
+def _subschemas(schema: object):
+    """Every schema object inside ``schema`` (itself included), by JSON Schema's keywords: a
+    property named ``pattern`` or ``properties`` is a name, not a keyword."""
+    if not isinstance(schema, dict):
+        return
+    yield schema
+    for key in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas"):
+        if isinstance(schema.get(key), dict):
+            for value in schema[key].values():
+                yield from _subschemas(value)
+    for key in ("items", "prefixItems", "anyOf", "oneOf", "allOf"):
+        value = schema.get(key)
+        for item in value if isinstance(value, list) else [value]:
+            yield from _subschemas(item)
+    for key in ("additionalProperties", "additionalItems", "unevaluatedProperties", "contains", "not", "if",
+                "then", "else", "propertyNames"):
+        yield from _subschemas(schema.get(key))
 
 
 def ascii_digits(regex: str) -> str:
@@ -120,15 +142,10 @@ def ascii_digits(regex: str) -> str:
     return "".join(out)
 
 
-def _ascii_patterns(node: object) -> None:
-    if isinstance(node, dict):
+def _ascii_patterns(schema: object) -> None:
+    for node in _subschemas(schema):
         if isinstance(node.get("pattern"), str):
             node["pattern"] = ascii_digits(node["pattern"])
-        for value in node.values():
-            _ascii_patterns(value)
-    elif isinstance(node, list):
-        for value in node:
-            _ascii_patterns(value)
 
 
 def choices(constraint: Constraint) -> list[str]:

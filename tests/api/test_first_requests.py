@@ -25,4 +25,5 @@ def test_response_format_text_is_the_no_op_it_is(server):
     assert text.json()["choices"][0]["message"] == plain["choices"][0]["message"]
     json_mode = httpx.post(f"{server.url}/v1/chat/completions", timeout=60,
                            json={**body, "response_format": {"type": "json_object"}})
-    assert json_mode.status_code == 200 and json_mode.json()["choices"][0]["message"]["content"].lstrip().startswith("{")
+    assert json_mode.status_code == 200
+    assert json_mode.json()["choices"][0]["message"]["content"].lstrip().startswith("{")

@@ -99,3 +99,24 @@ def test_min_tokens_allowed_token_ids_and_bad_words(llm):
 def test_an_invalid_constraint_is_the_callers_error(llm):
     with pytest.raises(ValueError, match="unclosed group"):
         llm.generate(["x"], SamplingParams(max_tokens=4, constraint=Constraint("regex", "(ab")))
+
+
+def test_a_reasoning_models_grammar_starts_after_its_thinking_or_at_once(llm):
+    """``after``: free text until ``</think>``, then the grammar. ``opener`` (Qwen3): an output
+    that opens ``<think>`` thinks first; one that does not is constrained from its first token."""
+    tok = llm.tokenizer
+    opener, end = tok.encode("<think>", add_special_tokens=False), tok.encode("</think>", add_special_tokens=False)
+    prompt = _prompt(llm, "Describe a person.")
+    regex = r"[a-z]{2,6}"
+
+    def run(opener_ids, bias):
+        constraint = Constraint("regex", regex, after=end, opener=opener_ids)
+        return llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, constraint=constraint,
+                                                     logit_bias=bias))[0]
+
+    at_once = run(opener, {opener[0]: -100.0})
+    assert at_once.finish_reason == "stop" and re.fullmatch(regex, at_once.text), at_once.text
+    thinking = run(opener, {opener[0]: 100.0})
+    assert thinking.text.startswith("<think>") and thinking.finish_reason == "length", thinking.text
+    waiting = run([], {})  # no opener: nothing constrained before </think>, which SmolLM2 never writes
+    assert not re.fullmatch(regex, waiting.text) and waiting.finish_reason == "length", waiting.text

@@ -38,9 +38,10 @@ class Api:
         return response.json()
 
     def stream(self, path: str, **body) -> list[dict]:
-        defaults = {"prompt": PROMPT} if path.rsplit("/", 1)[-1] == "completions" else {"messages": CHAT}
+        defaults = {"messages": CHAT} if "chat" in path else {"prompt": PROMPT}
         payload = {"model": "smollm2", "max_tokens": 6, "temperature": 0, "stream": True, **defaults, **body}
         with httpx.stream("POST", f"{self.url}{path}", json=payload, timeout=120) as response:
+            assert response.status_code == 200, response.read()
             lines = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
         return [json.loads(line) for line in lines if line != "[DONE]"]
 
@@ -87,8 +88,8 @@ def sampling_checks(api: Api, call: Callable[..., dict]) -> dict[str, Callable[[
         "stop_token_ids": lambda: _check(call(stop_token_ids=[_token(api, said)])),
         "ignore_eos": lambda: _eq(tokens(call(max_tokens=40, ignore_eos=True, logit_bias={"2": 100})), 40),
         "stream": lambda: _eq(bool(api.stream(_path(call))), True),
-        "stream_options": lambda: _eq(all("usage" in c for c in api.stream(
-            _path(call), stream_options={"include_usage": True, "continuous_usage_stats": True})), True),
+        "stream_options": lambda: _eq([bool(c.get("usage")) for c in api.stream(
+            _path(call), stream_options={"include_usage": True, "continuous_usage_stats": True})][-3:], [True] * 3),
         "logit_bias": lambda: _eq(set(text(call(max_tokens=4, logit_bias={str(_token(api, " Paris")): 100}))
                                       .split()), {"Paris"}),
         "min_tokens": lambda: _eq(tokens(call(max_tokens=40, min_tokens=40, logit_bias={"2": 50})), 40),
@@ -101,12 +102,14 @@ def sampling_checks(api: Api, call: Callable[..., dict]) -> dict[str, Callable[[
                                                      skip_special_tokens=False)), "<|im_start|><|im_start|>"),
         "spaces_between_special_tokens": lambda: api.refused(_path(call), "spaces_between_special_tokens", False),
         "truncate_prompt_tokens": lambda: _eq(call(truncate_prompt_tokens=2)["usage"]["prompt_tokens"], 2),
-        "response_format": lambda: json.loads(text(call(max_tokens=100, response_format={"type": "json_object"}))),
+        "response_format": lambda: _eq(type(json.loads(text(call(max_tokens=60, response_format={
+            "type": "json_schema", "json_schema": {"name": "n", "schema": NUMBER}})))["n"]), int),
         "structured_outputs": lambda: _match(r"[0-9]{4}", text(call(structured_outputs={"regex": r"\d{4}"}))),
         "guided_json": lambda: _eq(type(json.loads(text(call(max_tokens=60, guided_json=NUMBER)))["n"]), int),
         "guided_regex": lambda: _match(r"[a-c]{3}", text(call(guided_regex="[a-c]{3}"))),
         "guided_choice": lambda: _eq(text(call(guided_choice=["alpha", "beta"])) in {"alpha", "beta"}, True),
-        "guided_grammar": lambda: _match(r"(ok)+", text(call(max_tokens=4, guided_grammar='start: "ok"+'))),
+        "guided_grammar": lambda: _match(r"(yes|no)!", text(call(max_tokens=12,
+                                                                   guided_grammar='start: ("yes" | "no") "!"'))),
         "guided_decoding_backend": lambda: api.refused(_path(call), "guided_decoding_backend", "outlines"),
         "request_id": lambda: _eq(call(request_id="abc123")["id"].endswith("-abc123"), True),
     }
@@ -119,6 +122,12 @@ def _path(call) -> str:
 def _token(api: Api, word: str) -> int:
     ids = httpx.post(f"{api.url}/tokenize", json={"prompt": word, "add_special_tokens": False}).json()["tokens"]
     return ids[0]
+
+
+def _calls(response: dict) -> int:
+    """The calls made, counting those of an array that max_tokens cut off."""
+    message = response["choices"][0]["message"]
+    return len(message.get("tool_calls") or []) or (message["content"] or "").count('"name"')
 
 
 def _eq(a, b):
@@ -163,12 +172,11 @@ def chat_checks(api: Api) -> dict[str, Callable[[], None]]:
                                         ["top_logprobs"]), 3),
         "tools": lambda: _ne(api.chat(tools=tools, tool_choice="none")["usage"]["prompt_tokens"],
                              plain["usage"]["prompt_tokens"]),
-        "tool_choice": lambda: _eq(api.chat(tools=tools, tool_choice="required", max_tokens=40)["choices"][0]
+        "tool_choice": lambda: _eq(api.chat(tools=tools, tool_choice="required", max_tokens=100)["choices"][0]
                                    ["finish_reason"], "tool_calls"),
-        "parallel_tool_calls": lambda: _eq([len(api.chat(tools=tools, tool_choice="required", parallel_tool_calls=flag,
-                                                         max_tokens=60, logit_bias={str(_token(api, ",")): 20})
-                                                ["choices"][0]["message"].get("tool_calls") or []) > 1
-                                            for flag in (True, False)], [True, False]),
+        "parallel_tool_calls": lambda: _eq([_calls(api.chat(
+            tools=tools, tool_choice="required", parallel_tool_calls=flag, max_tokens=60,
+            logit_bias={str(_token(api, ",")): 20})) > 1 for flag in (True, False)], [True, False]),
         "documents": lambda: _ne(api.chat(documents=[{"text": "Paris has 2 million people."}])["usage"]
                                  ["prompt_tokens"], plain["usage"]["prompt_tokens"]),
         "chat_template_kwargs": lambda: _ne(api.chat(chat_template_kwargs={"enable_thinking": False})["usage"]

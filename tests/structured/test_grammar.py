@@ -13,7 +13,7 @@ import pytest
 from hybridlb.checkpoint.tokenizer import Tokenizer
 from hybridlb.config import StructuredOutputsConfig
 from hybridlb.grammar import GrammarCache, GrammarError, check, make_backend
-from hybridlb.grammar.backend import ascii_digits
+from hybridlb.grammar.backend import ascii_digits, json_schema
 from hybridlb.protocol import Constraint
 from tests.conftest import SMOLLM2
 
@@ -40,6 +40,26 @@ def test_digits_mean_ascii_digits():
     assert ascii_digits(r"\d{3}-\d{4}") == "[0-9]{3}-[0-9]{4}"
     assert ascii_digits(r"[\d.]+\D") == "[0-9.]+[^0-9]"
     assert ascii_digits(r"\\d") == r"\\d"  # an escaped backslash, then a letter
+
+
+def test_objects_with_properties_are_closed_unless_they_say_otherwise():
+    def closed(schema: dict, **options) -> dict:
+        return json_schema(Constraint("json", json.dumps(schema)), StructuredOutputsConfig(**options))
+
+    person = {"type": "object", "properties": {"name": {"type": "string"}, "properties": {
+        "type": "object", "properties": {"pattern": {"type": "string", "pattern": "\\d"}}}}}
+    got = closed(person)
+    assert got["additionalProperties"] is False
+    assert got["properties"]["properties"]["additionalProperties"] is False  # a property named "properties"
+    assert "additionalProperties" not in got["properties"]  # ... is not a schema
+    assert got["properties"]["properties"]["properties"]["pattern"]["pattern"] == "[0-9]"
+    assert "additionalProperties" not in closed({"type": "object"})  # JSON mode stays open
+    assert closed({"type": "object", "properties": {}, "additionalProperties": True})["additionalProperties"] is True
+    combined = closed({"allOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}]})
+    assert all("additionalProperties" not in member for member in combined["allOf"])
+    assert "additionalProperties" not in closed(person, disable_additional_properties=False)
+    with pytest.raises(GrammarError, match="nested too deeply"):
+        check(Constraint("json", '{"items":' * 100_000 + "{}" + "}" * 100_000), OPTIONS)
 
 
 @pytest.fixture(scope="module")
