@@ -294,8 +294,10 @@ def _xgrammar_grammar(xgr, constraint: Constraint, options: StructuredOutputsCon
 
 
 class _XGrammarMatcher:
-    def __init__(self, matcher):
+    def __init__(self, matcher, stop_token_ids: list[int], vocab_size: int):
         self._m = matcher
+        self._stops = stop_token_ids
+        self._vocab_size = vocab_size
 
     def fill(self, bitmask: np.ndarray, row: int) -> None:
         import torch  # xgrammar fills torch tensors; only engines (which have torch) get here
@@ -307,7 +309,20 @@ class _XGrammarMatcher:
 
     @property
     def done(self) -> bool:
-        return self._m.is_terminated()
+        """Terminated, or complete with only a stop token allowed next (xgrammar waits for that
+        token; llguidance stops by itself: the same answer from both)."""
+        if self._m.is_terminated():
+            return True
+        if not self._m.is_completed():
+            return False
+        import numpy as np
+
+        bitmask = np.zeros((1, (self._vocab_size + 31) // 32), dtype=np.int32)
+        self.fill(bitmask, 0)
+        words = bitmask[0].view(np.uint32).copy()
+        for token in self._stops:
+            words[token // 32] &= ~np.uint32(1 << (token % 32))
+        return not words.any()
 
 
 class XGrammarBackend:
@@ -325,6 +340,7 @@ class XGrammarBackend:
         vocab = ["" if i in special and i not in eos else (rust.id_to_token(i) or "") for i in range(vocab_size)]
         info = xgr.TokenizerInfo(vocab, _vocab_type(xgr, spec), vocab_size=vocab_size, stop_token_ids=sorted(eos))
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self._stops, self._vocab_size = sorted(eos), vocab_size
 
     def compile(self, constraint: Constraint):
         try:
@@ -335,7 +351,7 @@ class XGrammarBackend:
             raise GrammarError(constraint.kind, str(exc)) from None
 
     def matcher(self, compiled) -> Matcher:
-        return _XGrammarMatcher(self._xgr.GrammarMatcher(compiled))
+        return _XGrammarMatcher(self._xgr.GrammarMatcher(compiled), self._stops, self._vocab_size)
 
 
 def _vocab_type(xgr, spec: dict):

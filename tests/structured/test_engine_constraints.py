@@ -120,3 +120,14 @@ def test_a_reasoning_models_grammar_starts_after_its_thinking_or_at_once(llm):
     assert thinking.text.startswith("<think>") and thinking.finish_reason == "length", thinking.text
     waiting = run([], {})  # no opener: nothing constrained before </think>, which SmolLM2 never writes
     assert not re.fullmatch(regex, waiting.text) and waiting.finish_reason == "length", waiting.text
+
+
+def test_the_xgrammar_backend_gives_valid_json_too():
+    """``engine.structured_outputs.backend: xgrammar``: the same request, the same guarantee."""
+    other = LLM(SMOLLM2, max_model_len=512, num_kv_blocks=64, dtype="float32",
+                structured_outputs={"backend": "xgrammar"})
+    params = SamplingParams(max_tokens=80, temperature=0.8, seed=3, constraint=Constraint("json", json.dumps(SCHEMA)))
+    outputs = other.generate([_prompt(other, "Describe a person.")] * 3, params)
+    for output in outputs:
+        value = json.loads(output.text)
+        assert output.finish_reason == "stop" and set(value) == {"name", "age"}, output.text

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from hybridlb.checkpoint.tokenizer import Tokenizer
+from hybridlb.checkpoint.tokenizer import Tokenizer, read_eos_token_ids
 from hybridlb.config import StructuredOutputsConfig
 from hybridlb.grammar import GrammarCache, GrammarError, check, make_backend
 from hybridlb.grammar.backend import ascii_digits, json_schema
@@ -63,9 +63,15 @@ def test_objects_with_properties_are_closed_unless_they_say_otherwise():
 
 
 @pytest.fixture(scope="module")
-def backend():
-    tokenizer = Tokenizer(SMOLLM2)
-    return make_backend(OPTIONS, tokenizer, tokenizer.vocab_size), tokenizer
+def tokenizer():
+    return Tokenizer(SMOLLM2)
+
+
+@pytest.fixture(scope="module", params=["llguidance", "xgrammar"])
+def backend(request, tokenizer):
+    """Both libraries the engine can use (``engine.structured_outputs.backend``)."""
+    options = StructuredOutputsConfig(backend=request.param)
+    return make_backend(options, tokenizer, tokenizer.vocab_size), tokenizer
 
 
 def _allowed(matcher, vocab: int) -> set[int]:
@@ -135,3 +141,21 @@ def test_a_failed_compile_fails_only_its_requests():
     assert good.result(5) == "good"
     assert threading.active_count() < 50
     cache.close()
+
+
+def test_a_json_schema_matcher_takes_a_valid_document_and_refuses_a_wrong_key(backend):
+    engine_backend, tokenizer = backend
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"]}
+    compiled = engine_backend.compile(Constraint("json", json.dumps(schema)))
+    matcher = engine_backend.matcher(compiled)
+    for token in tokenizer.encode('{"name": "Ann", "age": 41}', add_special_tokens=False):
+        assert token in _allowed(matcher, tokenizer.vocab_size)
+        assert matcher.accept(token)
+    assert matcher.done or not _allowed(matcher, tokenizer.vocab_size) - {*read_eos_token_ids(SMOLLM2)}
+    wrong = engine_backend.matcher(compiled)
+    prefix = tokenizer.encode('{"', add_special_tokens=False)
+    for token in prefix:
+        assert wrong.accept(token)
+    bad = tokenizer.encode('{"colour', add_special_tokens=False)[len(prefix)]
+    assert bad not in _allowed(wrong, tokenizer.vocab_size)  # closed object: no key beyond name and age
