@@ -126,8 +126,9 @@ class Constraint(msgspec.Struct, omit_defaults=True):
     value: str
     after: list[int] = msgspec.field(default_factory=list)
     opener: list[int] = msgspec.field(default_factory=list)
-    compact: bool = False  # JSON without whitespace between tokens (disable_any_whitespace)
-    closed: bool = False  # object schemas that do not say otherwise allow no other keys (disable_additional_properties)
+    # None: the engine's structured_outputs setting; True/False: this request's choice.
+    compact: bool | None = None  # JSON without whitespace between tokens (disable_any_whitespace)
+    closed: bool | None = None  # objects listing properties allow no others (disable_additional_properties)
 
     def problem(self) -> str | None:
         if self.kind not in CONSTRAINT_KINDS:

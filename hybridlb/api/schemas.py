@@ -98,8 +98,8 @@ class StructuredOutputs(BaseModel):
     grammar: Text | None = None
     json_object: bool | None = None
     structural_tag: Text | None = None
-    disable_any_whitespace: bool = False
-    disable_additional_properties: bool = False
+    disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool | None = None
     disable_fallback: bool = False  # one backend here: nothing to fall back to
     whitespace_pattern: None = None  # not supported: set disable_any_whitespace
 

@@ -58,6 +58,11 @@ class Backend(Protocol):
     def matcher(self, compiled: object) -> Matcher: ...
 
 
+def _choice(request: bool | None, server: bool) -> bool:
+    """A request's own setting, else the server's."""
+    return server if request is None else request
+
+
 def json_schema(constraint: Constraint, options: StructuredOutputsConfig) -> dict | bool:
     """The schema of a ``json`` constraint with the server's options applied."""
     try:
@@ -69,7 +74,7 @@ def json_schema(constraint: Constraint, options: StructuredOutputsConfig) -> dic
     if not isinstance(schema, (dict, bool)):
         raise GrammarError("json", f"a schema is a JSON object, got {type(schema).__name__}")
     try:
-        if constraint.closed or options.disable_additional_properties:
+        if _choice(constraint.closed, options.disable_additional_properties):
             _close_objects(schema)
         _ascii_patterns(schema)
     except RecursionError:
@@ -185,7 +190,7 @@ def llguidance_grammar(constraint: Constraint, options: StructuredOutputsConfig)
 
     kind, value = constraint.kind, constraint.value
     if kind == "json":
-        if constraint.compact or options.disable_any_whitespace:
+        if _choice(constraint.compact, options.disable_any_whitespace):
             layout = {"whitespace_flexible": False}
         else:
             layout = {"whitespace_pattern": WHITESPACE}
@@ -278,7 +283,7 @@ def _xgrammar_grammar(xgr, constraint: Constraint, options: StructuredOutputsCon
     kind, value = constraint.kind, constraint.value
     if kind == "json":
         schema = json_schema(constraint, options)
-        compact = constraint.compact or options.disable_any_whitespace
+        compact = _choice(constraint.compact, options.disable_any_whitespace)
         return xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=not compact, strict_mode=False,
                                             max_whitespace_cnt=None if compact else MAX_WHITESPACE)
     if kind == "regex":

@@ -58,6 +58,8 @@ def test_objects_with_properties_are_closed_unless_they_say_otherwise():
     combined = closed({"allOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}]})
     assert all("additionalProperties" not in member for member in combined["allOf"])
     assert "additionalProperties" not in closed(person, disable_additional_properties=False)
+    request_opens = json_schema(Constraint("json", json.dumps(person), closed=False), OPTIONS)  # a request's own choice
+    assert "additionalProperties" not in request_opens
     with pytest.raises(GrammarError, match="nested too deeply"):
         check(Constraint("json", '{"items":' * 100_000 + "{}" + "}" * 100_000), OPTIONS)
 
