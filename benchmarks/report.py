@@ -64,6 +64,10 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {  # name: title, command, what it
     "chat_ttft": ("Chat TTFT as vLLM's client reads it", "python benchmarks/chat_ttft.py",
                   "`vllm bench serve --backend openai-chat` against hybridlb: its mean TTFT against the "
                   "server's own histogram over the same requests (goal: within 10 %)."),
+    "structured": ("Structured outputs", "python benchmarks/structured.py",
+                   "SmolLM2 bfloat16, concurrency 16: TPOT of JSON-schema-constrained requests against free ones "
+                   "of the same length; llguidance and xgrammar compile and mask-fill times; free requests' "
+                   "TPOT while 20 new schemas compile."),
     "control_plane": ("Control plane", "python benchmarks/control_plane.py",
                       "Simulated engines: coordinator publish latency at 64-512 engines, one API server's "
                       "request rate, dense DP overhead at 8 and 32 ranks."),

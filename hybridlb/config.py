@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 # Short names for models an installed package ships (nothing is downloaded): the model
 # argument they stand for, and the model's own name, which clients send by default.
@@ -108,6 +108,16 @@ class StructuredOutputsConfig(_Section):
         "for). false: JSON Schema's open objects, where a small model may add keys until max_tokens."
     )
     cache_size: int = Field(256, ge=1, description="Compiled grammars kept per engine (least recently used go).")
+
+    @field_validator("backend")
+    @classmethod
+    def _installed(cls, backend: str) -> str:
+        import importlib.util
+
+        if backend == "xgrammar" and importlib.util.find_spec("xgrammar") is None:
+            raise ValueError("the xgrammar backend is not installed: pip install 'hybridlb[xgrammar]', or use "
+                             "backend llguidance")
+        return backend
 
 
 class EngineConfig(_Section):
