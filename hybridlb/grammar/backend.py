@@ -264,8 +264,8 @@ def _xgrammar():
     try:
         import xgrammar
     except ImportError:
-        raise GrammarError("json", "the xgrammar backend is not installed (pip install 'hybridlb[xgrammar]'), or choose "
-                                   "the llguidance backend") from None
+        raise GrammarError("json", "the xgrammar backend is not installed (pip install 'hybridlb[xgrammar]'), "
+                                   "or choose the llguidance backend") from None
     return xgrammar
 
 
