@@ -26,12 +26,13 @@ def free_port_range(count: int) -> int:
     """A base port with ``count`` consecutive free ports after it (the coordinator's block)."""
     for _ in range(100):
         base = free_port()
-        if base + count < 65000 and all(_is_free(base + i) for i in range(count)):
+        if base + count < 65000 and all(port_is_free(base + i) for i in range(count)):
             return base
     raise RuntimeError("no free port range")
 
 
-def _is_free(port: int) -> bool:
+def port_is_free(port: int) -> bool:
+    """Whether nothing listens on (or holds) 127.0.0.1:port."""
     with socket.socket() as s:
         try:
             s.bind(("127.0.0.1", port))

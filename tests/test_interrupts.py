@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,7 +17,7 @@ import pytest
 import yaml
 
 from hybridlb.lifecycle import descendants, die_with_parent, wait_gone
-from tests.servers import free_port
+from tests.servers import free_port, port_is_free
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,15 +42,6 @@ class Watched:
     @property
     def output(self) -> str:
         return "".join(self.lines)
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as probe:
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 @pytest.mark.slow
@@ -84,7 +74,7 @@ def test_ctrl_c_while_starting_stops_everything(tmp_path, launcher, after_s):
     assert "Traceback" not in output, output
     assert "stopping" in output, output
     assert not wait_gone(sorted(watched.tree), 5), f"processes left: {wait_gone(sorted(watched.tree), 0)}"
-    assert _port_free(port)
+    assert port_is_free(port)
     assert not list(runtime.glob("hybridlb-*")), list(runtime.iterdir())
     assert not Path(tempfile.gettempdir(), f"hybridlb-ray-{name}").exists()
     print(f"{launcher}: Ctrl-C {after_s} s in, exit {code} after {stopped_s:.1f} s")

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import json
 
-from hybridlb.api.tools import CallSoFar, Scan, ToolParser
-from hybridlb.api.tools.json_scan import scan_object, skip_ws
+from hybridlb.api.tools.base import CallSoFar, Scan, ToolParser
+from hybridlb.api.tools.json_calls import json_call_list
+from hybridlb.api.tools.json_scan import skip_ws
 
 ANY_OBJECT = {"type": "object"}
 
@@ -60,16 +61,4 @@ class RequiredParser(ToolParser):
             return Scan("")
         if text[at] != "[":
             raise ValueError("expected a list of calls")
-        calls = []
-        at = skip_ws(text, at + 1)
-        while at < len(text) and text[at] != "]":
-            found = scan_object(text, at, final)
-            name = found.value(text, "name") if "name" in found.fields else None
-            arguments = found.raw(text, "parameters")
-            calls.append(CallSoFar(name, arguments or "", found.end is not None and arguments is not None))
-            if found.end is None:
-                break
-            at = skip_ws(text, found.end)
-            if at < len(text) and text[at] == ",":
-                at = skip_ws(text, at + 1)
-        return Scan("", calls)
+        return Scan("", json_call_list(text, at, final, ("parameters",)))

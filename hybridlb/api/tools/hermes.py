@@ -4,7 +4,8 @@ before the first call is content."""
 
 from __future__ import annotations
 
-from hybridlb.api.tools import CallSoFar, Scan, ToolParser, content_before
+from hybridlb.api.tools.base import Scan, ToolParser, content_before
+from hybridlb.api.tools.json_calls import json_call
 from hybridlb.api.tools.json_scan import scan_object, skip_ws
 
 START = "<tool_call>"
@@ -24,13 +25,7 @@ class HermesParser(ToolParser):
             if start >= len(text):
                 break
             found = scan_object(text, start, final)
-            name = found.value(text, "name") if "name" in found.fields else None
-            if name is not None and not isinstance(name, str):
-                raise ValueError("a tool call's name must be a string")
-            arguments = found.raw(text, "arguments")
-            if found.end is not None and arguments is None:
-                arguments = "{}"
-            calls.append(CallSoFar(name, arguments or "", found.end is not None))
+            calls.append(json_call(text, found))
             if found.end is None:
                 break
             at = text.find(START, found.end)

@@ -4,7 +4,8 @@
 
 from __future__ import annotations
 
-from hybridlb.api.tools import CallSoFar, Scan, ToolParser
+from hybridlb.api.tools.base import Scan, ToolParser
+from hybridlb.api.tools.json_calls import json_call
 from hybridlb.api.tools.json_scan import scan_object, skip_ws
 
 TAG = "<|python_tag|>"
@@ -28,14 +29,7 @@ class Llama3JsonParser(ToolParser):
         calls = []
         while start < len(text):
             found = scan_object(text, start, final)
-            name = found.value(text, "name") if "name" in found.fields else None
-            if name is not None and not isinstance(name, str):
-                raise ValueError("a tool call's name must be a string")
-            key = "parameters" if "parameters" in found.fields else "arguments"
-            arguments = found.raw(text, key)
-            if found.end is not None and arguments is None:
-                arguments = "{}"
-            calls.append(CallSoFar(name, arguments or "", found.end is not None))
+            calls.append(json_call(text, found, ("parameters", "arguments")))
             if found.end is None:
                 break
             start = skip_ws(text, found.end)

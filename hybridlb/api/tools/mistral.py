@@ -7,8 +7,9 @@ from __future__ import annotations
 import secrets
 import string
 
-from hybridlb.api.tools import CallSoFar, Scan, ToolParser, content_before
-from hybridlb.api.tools.json_scan import scan_object, skip_ws, value_end
+from hybridlb.api.tools.base import CallSoFar, Scan, ToolParser, content_before
+from hybridlb.api.tools.json_calls import json_call_list
+from hybridlb.api.tools.json_scan import skip_ws, value_end
 
 MARK = "[TOOL_CALLS]"
 ARGS = "[ARGS]"
@@ -29,25 +30,8 @@ class MistralParser(ToolParser):
         start = skip_ws(text, first + len(MARK))
         if start >= len(text):
             return Scan(text[:first])
-        calls = self._list(text, start, final) if text[start] == "[" else self._named(text, first, final)
+        calls = json_call_list(text, start, final) if text[start] == "[" else self._named(text, first, final)
         return Scan(text[:first], calls)
-
-    def _list(self, text: str, start: int, final: bool) -> list[CallSoFar]:
-        calls = []
-        at = skip_ws(text, start + 1)
-        while at < len(text) and text[at] != "]":
-            found = scan_object(text, at, final)
-            name = found.value(text, "name") if "name" in found.fields else None
-            arguments = found.raw(text, "arguments")
-            if found.end is not None and arguments is None:
-                arguments = "{}"
-            calls.append(CallSoFar(name, arguments or "", found.end is not None))
-            if found.end is None:
-                break
-            at = skip_ws(text, found.end)
-            if at < len(text) and text[at] == ",":
-                at = skip_ws(text, at + 1)
-        return calls
 
     def _named(self, text: str, at: int, final: bool) -> list[CallSoFar]:
         calls = []

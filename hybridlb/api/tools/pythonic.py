@@ -8,7 +8,7 @@ from __future__ import annotations
 import ast
 import json
 
-from hybridlb.api.tools import CallSoFar, Scan, ToolParser
+from hybridlb.api.tools.base import CallSoFar, Scan, ToolParser
 
 START, END = "<|python_start|>", "<|python_end|>"
 _NAMES = {"true": True, "false": False, "null": None, "True": True, "False": False, "None": None}
