@@ -248,6 +248,12 @@ class ApiConfig(_Section):
         "last line of defence against a lost output. A request waiting in a long queue counts as silent too, so "
         "keep it above the longest queue wait plus prefill you expect. 0: never."
     )
+    migration_limit: int = Field(
+        3, ge=0, description="Dense models: times one request may move to another engine of the node when its "
+        "engine dies or is lost mid-stream; it goes on from the tokens it has, and the client's stream goes on "
+        "without a gap (a greedy or seeded request gives the text it would have given). 0: fail such "
+        "requests. MoE lockstep groups always fail them (the group's collectives broke)."
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field("warning", description="HTTP server log level.")
     chat_template: str | None = Field(
         None, description="Chat template replacing the checkpoint's own: a .jinja file or the template text."

@@ -242,6 +242,12 @@ class AddRequest(msgspec.Struct, tag="add"):
     prompt_token_ids: list[int]
     params: SamplingParams
     wave: int = 0  # the sender's latest view of the current wave (MoE); a newer one is adopted
+    # A migrated request (its engine died): the tokens it already produced elsewhere. The
+    # engine computes them with the prompt and goes on from there as if it had sampled them:
+    # they count as output (max_tokens, penalties, min_tokens, the grammar) and a seeded
+    # request's generator is advanced past them, so the rest is what the first engine would
+    # have produced.
+    resumed: list[int] = msgspec.field(default_factory=list)
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):

@@ -110,7 +110,8 @@ def create_app(config: Config, spec: ApiServerSpec, on_ready: Callable[[], None]
         connections = _connect(ctx, context)
         ctx.pool = EnginePool(connections, spec.policy, follows_coordinator=spec.coordinator_loads is not None,
                               one_rank_child=spec.mode == "multi_port")
-        ctx.runner = RequestRunner(ctx.pool, tokenizer, metrics, config.api.request_timeout_s)
+        ctx.runner = RequestRunner(ctx.pool, tokenizer, metrics, config.api.request_timeout_s,
+                                   config.api.migration_limit)
         tasks = [asyncio.create_task(_announce_ready(connections, on_ready, metrics))]
         if spec.coordinator_loads:
             tasks.append(asyncio.create_task(_follow_coordinator(context, spec.coordinator_loads, ctx)))

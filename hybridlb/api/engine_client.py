@@ -104,15 +104,17 @@ class EngineConnection:
         return bool(limit) and self.stats is not None and self.stats.num_waiting >= limit
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-            wave: int = 0, cached_tokens: int = 0) -> asyncio.Queue:
+            wave: int = 0, cached_tokens: int = 0, resumed: list[int] | None = None) -> asyncio.Queue:
         """Send a request; its outputs (or an EngineUnavailable) arrive on the returned queue.
-        ``cached_tokens``: how much of the prompt the engine is expected to find cached."""
+        ``cached_tokens``: how much of the prompt the engine is expected to find cached;
+        ``resumed``: a migrated request's output so far (AddRequest.resumed)."""
+        resumed = resumed or []
         if not self.alive:
             raise EngineUnavailable(f"engine {self.rank} is not available")
         queue: asyncio.Queue = asyncio.Queue()
         self.streams[request_id] = queue
-        self.prefilling[request_id] = max(0, len(prompt_token_ids) - cached_tokens)
-        self._send(AddRequest(request_id, prompt_token_ids, params, wave))
+        self.prefilling[request_id] = max(0, len(prompt_token_ids) + len(resumed) - cached_tokens)
+        self._send(AddRequest(request_id, prompt_token_ids, params, wave, resumed))
         return queue
 
     def release(self, request_id: str, abort: bool) -> None:

@@ -157,6 +157,9 @@ class Metrics:
         self.lost = Counter("hybridlb:lost_requests", "Requests failed after they reached an engine, by why: "
                             "engine_down, lost_output (a gap in the engine's messages), timeout (no output for "
                             "api.request_timeout_s), reader_error.", [*labels, "reason"], registry=r)
+        self.migrated = Counter("hybridlb:migrated_requests", "Requests that moved to another engine of the node "
+                                "mid-stream because this one died or was lost (api.migration_limit).", labels,
+                                registry=r)
         self.pinned = Counter("hybridlb:pinned_requests", "Requests pinned to this engine by X-data-parallel-rank "
                               "(a gateway choosing the rank).", labels, registry=r)
         self.wave = g("hybridlb:dp_current_wave", "MoE lockstep: the current wave.", ["model_name"])
@@ -206,6 +209,9 @@ class Metrics:
 
     def pinned_request(self, rank: int) -> None:
         self.of(self.pinned, rank).inc()
+
+    def migrated_request(self, rank: int) -> None:
+        self.of(self.migrated, rank).inc()
 
     def lost_requests(self, rank: int, reason: str, count: int = 1) -> None:
         self.of(self.lost, rank, reason).inc(count)

@@ -132,14 +132,15 @@ class EnginePool:
                             f"local index of them (0..{len(ranks) - 1})", param="X-data-parallel-rank")
 
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, rank: int | None,
-               tried: set[int]) -> tuple[EngineConnection, asyncio.Queue]:
-        """Pick an engine not tried yet and send the request; raise APIError(503) when none is left."""
-        hashes = self._block_hashes(prompt_ids)
+               tried: set[int], resumed: list[int] | None = None) -> tuple[EngineConnection, asyncio.Queue]:
+        """Pick an engine not tried yet and send the request (``resumed``: a migrated one's
+        output so far); raise APIError(503) when none is left."""
+        hashes = self._block_hashes(prompt_ids + resumed if resumed else prompt_ids)
         while True:
             engine = self.pick(rank, frozenset(tried), hashes, len(prompt_ids))
             tried.add(engine.rank)
             try:
-                queue = engine.add(request_id, prompt_ids, params, self.wave, engine.cached_tokens(hashes))
+                queue = engine.add(request_id, prompt_ids, params, self.wave, engine.cached_tokens(hashes), resumed)
                 if engine.prefix is not None and hashes:
                     engine.prefix.record(hashes)
                 return engine, queue

@@ -2,8 +2,10 @@
 into text, record its metrics, and stop it in the engine when its reader goes away.
 
 ``RequestRunner.generate`` resends a request that an engine refused or lost before it
-produced anything (``MAX_ATTEMPTS`` sends, any engine of the node) and gives up on one its
-engine has said nothing about for ``api.request_timeout_s``. Text comes from the same
+produced anything (``MAX_ATTEMPTS`` sends, any engine of the node), migrates one whose engine
+was lost mid-stream to another engine of the node with the tokens it already has (dense
+models, ``api.migration_limit`` times), and gives up on one its engine has said nothing
+about for ``api.request_timeout_s``. Text comes from the same
 incremental detokenizer (stop strings included) the offline ``LLM`` uses. Work on each
 output's tokens that needs the whole text so far (a tool-call or reasoning parser) reads
 the ``Delta``s this yields, in ``hybridlb.api.responses``.
@@ -16,6 +18,8 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+
+import msgspec
 
 from hybridlb.api.admission import RETRY_AFTER_S
 from hybridlb.api.engine_client import EngineConnection, EngineUnavailable
@@ -57,8 +61,10 @@ class _Timing:
 
 
 class RequestRunner:
-    def __init__(self, pool: EnginePool, tokenizer: Tokenizer, metrics: Metrics, request_timeout_s: float = 0.0):
+    def __init__(self, pool: EnginePool, tokenizer: Tokenizer, metrics: Metrics, request_timeout_s: float = 0.0,
+                 migration_limit: int = 0):
         self.pool = pool
+        self.migration_limit = migration_limit
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.request_timeout_s = request_timeout_s or None
@@ -74,9 +80,18 @@ class RequestRunner:
             self.metrics.pinned_request(rank)
         detok = IncrementalDetokenizer.for_request(self.tokenizer, prompt_ids, params)
         finished, yielded = False, False
+        produced: list[int] = []  # every token this request got, from whichever engine: a migration's start
+        migrations = 0
         try:
             while not finished:
                 output = await self._next(queue, engine, wire_id)
+                if yielded and self._migrates(output, migrations):
+                    migrations, attempt = migrations + 1, attempt + 1
+                    engine.release(wire_id, abort=False)  # lost: nothing to abort there
+                    wire_id = f"{request_id}~{attempt}"
+                    engine, queue = self._migrate(engine, output, request_id, wire_id, prompt_ids, produced, params,
+                                                  tried)
+                    continue
                 if _refused(output):
                     if yielded or rank is not None or attempt + 1 >= MAX_ATTEMPTS:
                         raise _failure(output)
@@ -87,6 +102,7 @@ class RequestRunner:
                     continue
                 if output.error:
                     raise _failure(output)
+                produced.extend(output.new_token_ids)
                 shown = visible(output.new_token_ids, output.stop_token_id, params)
                 text, reason = detok.take(shown, output.finish_reason)
                 self._observe(engine.rank, output, timing, reason, len(prompt_ids), params)
@@ -110,6 +126,28 @@ class RequestRunner:
             return self.pool.submit(wire_id, prompt_ids, params, None, tried)
         except APIError as none_left:
             raise all_busy() if busy and none_left.status == 503 else none_left from None
+
+    def _migrates(self, output, migrations: int) -> bool:
+        """Whether a request that already streamed moves on: its engine was lost (not a busy
+        refusal or an error of the request's own), the limit allows, and the ranks are dense."""
+        return isinstance(output, EngineUnavailable) and migrations < self.migration_limit and not self.pool.lockstep
+
+    def _migrate(self, engine: EngineConnection, why: EngineUnavailable, request_id: str, wire_id: str,
+                 prompt_ids: list[int], produced: list[int], params: SamplingParams,
+                 tried: set[int]) -> tuple[EngineConnection, asyncio.Queue]:
+        """Send a request whose engine was lost mid-stream to another engine of the node, with
+        the tokens it already has: it goes on from there (AddRequest.resumed)."""
+        tried.clear()  # engines it left earlier may be back; only the one just lost is out
+        tried.add(engine.rank)
+        log.warning("%s while request %s streamed (%d tokens so far); moving it to another engine", why, request_id,
+                    len(produced))
+        try:
+            moved = self.pool.submit(wire_id, prompt_ids, msgspec.structs.replace(params, prompt_logprobs=None), None,
+                                     tried, produced)
+        except APIError:
+            raise _failure(why) from None
+        self.metrics.migrated_request(engine.rank)
+        return moved
 
     def _observe(self, rank: int, output: RequestOutput, timing: _Timing, reason: str | None, prompt_tokens: int,
                  params: SamplingParams) -> None:

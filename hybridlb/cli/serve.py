@@ -75,6 +75,9 @@ def serve(
         help="hermes, llama3_json, mistral or pythonic: how tool calls are read from the output.")] = None,
     reasoning_parser: Annotated[str | None, vllm_option(
         help="deepseek_r1 or qwen3: <think>...</think> becomes reasoning_content.")] = None,
+    migration_limit: Annotated[int | None, typer.Option(
+        help="Dense models: moves of one request to a sibling engine when its engine dies mid-stream "
+             "(default 3, 0: off).")] = None,
     kv_events_config: Annotated[str | None, vllm_option(
         help="KV-cache events as JSON, vLLM's keys, e.g. '{\"enable_kv_cache_events\": true}'.")] = None,
     device: Annotated[str | None, typer.Option(help="cpu or cuda.")] = None,
@@ -124,7 +127,7 @@ def serve(
                     max_concurrent_requests=max_concurrent_requests, request_timeout_s=request_timeout,
                     chat_template=chat_template, generation_config=generation_config,
                     enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
-                    reasoning_parser=reasoning_parser),
+                    reasoning_parser=reasoning_parser, migration_limit=migration_limit),
         **layout,
     })
 

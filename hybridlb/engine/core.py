@@ -58,9 +58,12 @@ class EngineCore:
         self._rss = (0.0, 0.0)  # (when read, MiB): /proc is read at most once a second
 
     # -- requests in ---------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestOutput | None:
-        """Queue a request; on invalid input return its error output instead."""
-        problem = self._check(request_id, prompt_token_ids, params)
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    resumed: list[int] | None = None) -> RequestOutput | None:
+        """Queue a request; on invalid input return its error output instead. ``resumed``: the
+        output tokens a migrated request already has (see AddRequest)."""
+        resumed = resumed or []
+        problem = self._check(request_id, prompt_token_ids + resumed, params)
         if problem:
             return RequestOutput(request_id, [], finish_reason="error", error=problem)
         if len(self.scheduler.waiting) >= self.config.max_queued_requests:
@@ -70,7 +73,10 @@ class EngineCore:
         room = self.max_model_len - len(prompt_token_ids)
         max_tokens = min(params.max_tokens or room, room)
         generator = self.runner.generator(params.seed) if params.seed is not None else None
+        if generator is not None and resumed and not params.greedy:
+            self.runner.skip_draws(generator, len(resumed))
         request = Request(request_id, prompt_token_ids, params, max_tokens, generator)
+        request.token_ids.extend(resumed)  # output already produced: computed with the prompt
         if params.min_tokens:
             eos = set() if params.ignore_eos else self.eos_token_ids
             request.min_tokens_banned = sorted(eos | set(params.stop_token_ids))
@@ -166,6 +172,7 @@ class EngineCore:
             future, request.compiling = request.compiling, None
             if (error := future.exception()) is None:
                 request.grammar = future.result()
+                self._replay_grammar(request)
                 self.scheduler.add(request)
                 continue
             del self.requests[request.request_id]
@@ -176,6 +183,16 @@ class EngineCore:
                           type(error).__name__, error)
             self._early_outputs.append(RequestOutput(request.request_id, [], "error", error=str(error),
                                                      error_kind=kind))
+
+    def _replay_grammar(self, request: Request) -> None:
+        """A migrated request's grammar, advanced through the output it already has."""
+        produced = request.output_token_ids
+        if not produced:
+            return
+        del request.token_ids[request.num_prompt_tokens :]
+        for token in produced:
+            request.token_ids.append(token)
+            self._follow_grammar(request, token)
 
     def _fail_step(self, chunks: list[ScheduledChunk], exc: Exception) -> list[RequestOutput]:
         log.exception("engine %d: a step of %d requests failed; failing those requests and serving on",

@@ -84,6 +84,13 @@ class ModelRunner:
         """A per-request sampling generator."""
         return torch.Generator(device=self.device).manual_seed(seed)
 
+    def skip_draws(self, generator: torch.Generator, steps: int) -> None:
+        """Advance a request's generator past ``steps`` sampled tokens: the sampler draws one
+        float32 row of noise over the vocabulary per token (Sampler._noise)."""
+        row = torch.empty(self.spec.vocab_size, dtype=torch.float32, device=self.device)
+        for _ in range(steps):
+            row.exponential_(generator=generator)
+
     def _gpu_budget(self, config: EngineConfig) -> int | None:
         """On CUDA with gpu_memory_utilization: the bytes the KV cache may fill, that fraction of the
         GPU once the weights (already loaded) and the activations of the largest step are set

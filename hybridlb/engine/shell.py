@@ -175,7 +175,8 @@ class EngineShell:
 
     def _handle(self, route: _Route, identity: bytes, message) -> None:
         if isinstance(message, AddRequest):
-            error = self.core.add_request(message.request_id, message.prompt_token_ids, message.params)
+            error = self.core.add_request(message.request_id, message.prompt_token_ids, message.params,
+                                          message.resumed)
             if error is None:
                 self.owners[message.request_id] = identity
                 if self.lockstep is not None and (wake := self.lockstep.request_arrived(message.wave)):
