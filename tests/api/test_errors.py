@@ -48,6 +48,21 @@ def test_invalid_completion_parameters_get_400(server, change, param):
     _good(server)
 
 
+def test_token_ids_beyond_any_integer_leave_nothing_behind(server):
+    """A logit_bias key of 2**64 (msgpack cannot even carry it) is a 400 before the request is
+    registered anywhere: after many, nothing is in flight and the server serves on."""
+    body = {"model": server.model, "prompt": "GPU", "max_tokens": 2, "logit_bias": {str(2**64): 5}}
+    with httpx.Client(timeout=30) as client:
+        for _ in range(200):
+            assert client.post(f"{server.url}/v1/completions", json=body).status_code == 400
+        for field in ({"allowed_token_ids": [2**64]}, {"stop_token_ids": [2**64]}, {"prompt": [2**64]}):
+            response = client.post(f"{server.url}/v1/completions", json={**body, "logit_bias": {}, **field})
+            assert response.status_code == 400, (field, response.text)
+        ranks = client.get(f"{server.url}/ranks").json()["engines"]
+    assert [engine["in_flight_here"] for engine in ranks] == [0] * len(ranks)
+    _good(server)
+
+
 def test_chat_errors(server):
     url = f"{server.url}/v1/chat/completions"
     error = _error(httpx.post(url, json={"model": server.model, "messages": []}), 400)
