@@ -141,6 +141,11 @@ class EngineConfig(_Section):
     max_num_batched_tokens: int = Field(
         2048, ge=16, description="Token budget of one step; longer prompts are prefilled in chunks."
     )
+    max_failed_steps: int = Field(
+        3, ge=0, description="Steps in a row that may raise before the engine counts as sick and exits (its "
+        "requests then move to another engine, and restart_policy restarts it); a one-off failure fails only its "
+        "step's requests. 0: never exit."
+    )
     max_queued_requests: int = Field(
         1024, ge=1, description="Most requests waiting for a batch slot; beyond it the engine refuses new ones "
         "and the API server tries another engine or answers 429 with Retry-After."
@@ -247,6 +252,11 @@ class ApiConfig(_Section):
         300.0, ge=0, description="Fail a request (504) when its engine has sent nothing for it this long: a "
         "last line of defence against a lost output. A request waiting in a long queue counts as silent too, so "
         "keep it above the longest queue wait plus prefill you expect. 0: never."
+    )
+    engine_stall_s: float = Field(
+        10.0, ge=0, description="An engine with requests in flight that sends nothing (no output, no 1 s "
+        "heartbeat) this long is stuck: its requests move to another engine and it is asked to register again, "
+        "counting as down until it answers. Keep it above the longest step. 0: never."
     )
     migration_limit: int = Field(
         3, ge=0, description="Dense models: times one request may move to another engine of the node when its "

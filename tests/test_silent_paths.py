@@ -16,7 +16,7 @@ from hybridlb.api.jobs import Job
 from hybridlb.api.responses import _sse
 from hybridlb.config import EngineConfig
 from hybridlb.engine.client import EngineClient
-from hybridlb.engine.core import make_core
+from hybridlb.engine.core import SickEngine, make_core
 from hybridlb.engine.shell import EngineFailed, EngineShell
 from hybridlb.engine.spawn import start_engine, stop_engines, wait_until_ready
 from hybridlb.protocol import SamplingParams
@@ -44,6 +44,22 @@ def test_a_failing_step_fails_only_its_requests(tiny_qwen3):
     core.add_request("c", [1, 2, 3], SHORT)
     tokens = [t for _ in range(3) for o in core.step() for t in o.new_token_ids]
     assert tokens == [1, 2, 3]
+
+
+def test_steps_that_keep_failing_make_the_engine_sick(tiny_qwen3):
+    """A one-off failure fails its requests and the engine serves on; engine.max_failed_steps
+    in a row raise SickEngine (the process exits: its requests move, restart_policy restarts
+    it), without failing the last step's requests first."""
+    config = _simulated(tiny_qwen3).model_copy(update={"max_failed_steps": 3})
+    core = make_core(config)
+    core.runner.run = lambda chunks: 1 / 0
+    for i in range(2):
+        core.add_request(f"r{i}", [1, 2, 3], LONG)
+        assert [o.finish_reason for o in core.step()] == ["error"]
+    core.add_request("last", [1, 2, 3], LONG)
+    with pytest.raises(SickEngine, match="3 steps in a row failed"):
+        core.step()
+    assert "last" in core.requests  # not failed here: it moves with the engine's death
 
 
 def test_an_engine_whose_io_thread_dies_stops(tiny_qwen3, tmp_path, monkeypatch):

@@ -85,7 +85,7 @@ def _connect(ctx: ApiContext, context: zmq.asyncio.Context) -> list[EngineConnec
     """One connection per engine of ``ctx.spec``, started."""
     client_id = f"{ctx.spec.name}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     connections = [EngineConnection(rank, address, f"{client_id}-{rank}", context, ctx.metrics.update_stats,
-                                    ctx.spec.cluster_token, ctx.metrics.lost_requests)
+                                    ctx.spec.cluster_token, ctx.metrics.lost_requests, ctx.config.api.engine_stall_s)
                    for rank, address in ctx.spec.engines]
     for connection in connections:
         ctx.metrics.register_engine(connection.rank)

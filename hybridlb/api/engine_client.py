@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 
 import msgspec
 import zmq
@@ -45,6 +46,7 @@ from hybridlb.transport import connect_securely
 log = logging.getLogger(__name__)
 _HEARTBEAT_MS = 1000
 _HEARTBEAT_TIMEOUT_MS = 5000
+STALL_GRACE_S = 0.5  # a watchdog tick this late means the API server itself was not running
 
 
 class EngineUnavailable(RuntimeError):
@@ -57,8 +59,10 @@ class EngineUnavailable(RuntimeError):
 
 class EngineConnection:
     def __init__(self, rank: int, address: str, client_id: str, context: zmq.asyncio.Context, on_stats=None,
-                 token: str | None = None, on_lost=None):
+                 token: str | None = None, on_lost=None, stall_s: float = 0.0):
         self.rank = rank
+        self.stall_s = stall_s  # api.engine_stall_s: silent this long with requests in flight is stuck
+        self.last_heard = time.monotonic()
         self.address = address
         self.client_id = client_id
         self.socket = context.socket(zmq.DEALER)
@@ -88,6 +92,8 @@ class EngineConnection:
     def start(self) -> None:
         self._send(Hello(self.client_id))
         self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch())]
+        if self.stall_s:
+            self._tasks.append(asyncio.create_task(self._watch_stall()))
 
     async def wait_ready(self, timeout_s: float) -> EngineReady:
         await asyncio.wait_for(self._ready.wait(), timeout_s)
@@ -131,6 +137,7 @@ class EngineConnection:
     async def _read(self) -> None:
         while True:
             frames = await self.socket.recv_multipart(copy=False)
+            self.last_heard = time.monotonic()
             try:
                 self._take(frames)
             except Exception:  # a bug in handling: fail what we cannot vouch for, then start over
@@ -247,6 +254,25 @@ class EngineConnection:
             except Exception:
                 log.exception("engine %d: could not handle a connection event", self.rank)
                 self._resync("an error in the API server while watching the connection", "reader_error")
+
+    async def _watch_stall(self) -> None:
+        """An engine whose loop is stuck (its I/O thread may still answer ZMTP pings) sends no
+        output and no heartbeat: with requests in flight for ``stall_s``, fail them (they move
+        to another engine) and ask it to register again; it counts as down until it answers."""
+        period = min(1.0, self.stall_s / 4)
+        while True:
+            started = time.monotonic()
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            if now - started > period + STALL_GRACE_S or self.socket.get(zmq.EVENTS) & zmq.POLLIN:
+                continue  # this process was stalled, or the engine's news is waiting unread: not its fault
+            silent = now - self.last_heard
+            if self.alive and self.streams and silent > self.stall_s:
+                try:
+                    self._resync(f"sent nothing for {silent:.0f} s with requests in flight (api.engine_stall_s): "
+                                 "its loop is stuck", "stuck")
+                except Exception:
+                    log.exception("engine %d: could not fail its stuck requests", self.rank)
 
     def _mark_down(self, reason: str, log_level: int = logging.ERROR) -> None:
         self.fail_all(reason, "engine_down", log_level)

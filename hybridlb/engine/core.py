@@ -33,6 +33,11 @@ if TYPE_CHECKING:  # torch and the model load only with the real runner (not a s
 log = logging.getLogger(__name__)
 
 
+class SickEngine(RuntimeError):
+    """Steps keep failing: the engine should exit (its requests move elsewhere) rather than
+    fail every request it is given."""
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, dp: DPContext | None = None, runner: ModelRunner | None = None):
         """``runner`` replaces the model (``hybridlb.engine.simulated``); default: load the checkpoint."""
@@ -54,6 +59,7 @@ class EngineCore:
         self._early_outputs: list[RequestOutput] = []
         self.num_steps = 0
         self.step_failures = 0
+        self.failed_in_a_row = 0
         self.busy_s = 0.0
         self._rss = (0.0, 0.0)  # (when read, MiB): /proc is read at most once a second
 
@@ -148,9 +154,17 @@ class EngineCore:
                 wait([r.compiling for r in self.compiling], timeout=0.005, return_when=FIRST_COMPLETED)
             return early
         try:
-            return early + self.run_chunks(chunks)
+            outputs = early + self.run_chunks(chunks)
         except Exception as exc:
+            self.failed_in_a_row += 1
+            limit = self.config.max_failed_steps
+            if limit and self.failed_in_a_row >= limit:  # a sticky fault: every request here would fail
+                self._early_outputs[:0] = early
+                raise SickEngine(f"{self.failed_in_a_row} steps in a row failed (engine.max_failed_steps), the "
+                                 f"last with {type(exc).__name__}: {exc}") from exc
             return early + self._fail_step(chunks, exc)
+        self.failed_in_a_row = 0
+        return outputs
 
     def schedule(self) -> list[ScheduledChunk]:
         """What the next step computes (``Lockstep`` exchanges its size before running it)."""

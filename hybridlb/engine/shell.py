@@ -27,7 +27,7 @@ import zmq
 from hybridlb import lifecycle
 from hybridlb.config import EngineConfig
 from hybridlb.engine.block_manager import Removed
-from hybridlb.engine.core import EngineCore, make_core
+from hybridlb.engine.core import EngineCore, SickEngine, make_core
 from hybridlb.engine.core_share import CoreShare, SharedCores
 from hybridlb.engine.dp_context import DPContext
 from hybridlb.engine.io_thread import IO_FAILED, IOThread
@@ -335,7 +335,7 @@ def run_engine(config: EngineConfig, dp: DPContext, address: str, torch_threads:
         log.warning("engine %d is a %s: its speed says nothing about the model", dp.rank, shell.core.label())
     try:
         shell.serve_forever()
-    except EngineFailed as exc:
+    except (EngineFailed, SickEngine) as exc:
         log.error("engine %d: %s; exiting", dp.rank, exc)
         raise SystemExit(1) from None
     except Exception as exc:  # only a lockstep step raises here (a dense step fails just its requests)

@@ -70,17 +70,22 @@ def _migrated(url: str) -> float:
     return sum(float(v) for v in re.findall(r"^hybridlb:migrated_requests_total\{[^}]*\} (\S+)$", text, re.M))
 
 
-def test_a_killed_engines_streams_finish_on_its_sibling_with_the_same_text():
+def _health(url: str) -> dict:
+    return httpx.get(f"{url}/health", timeout=10).json()
+
+
+@pytest.mark.parametrize("fault", ["killed", "frozen"])
+def test_a_lost_engines_streams_finish_on_its_sibling_with_the_same_text(fault):
+    """killed: kill -9. frozen: SIGSTOP (threads and all), found by the API server's silence
+    and heartbeat watch; after SIGCONT the engine registers again and serves."""
     (server,) = start_servers(Server(SMOLLM2, *_dp_flags(2, 2, 0, free_port_range(8)), "--served-model-name",
                                      "smollm2", "--dtype", "float32", "--max-model-len", "512",
-                                     "--kv-cache-gib", "0.3"))
+                                     "--kv-cache-gib", "0.3", "--restart-policy", "none"))
+    engine = server.children()["hybridlb:engine:0"]
     try:
         clean = asyncio.run(_run(server.url))
-        engine = server.children()["hybridlb:engine:0"]
-        killed_at = []
-        faulty = asyncio.run(_run(server.url, lambda: (os.kill(engine, signal.SIGKILL),
-                                                       killed_at.append(time.monotonic()))))
-        assert killed_at
+        signum = signal.SIGKILL if fault == "killed" else signal.SIGSTOP
+        faulty = asyncio.run(_run(server.url, lambda: os.kill(engine, signum)))
         assert [reason for _, reason in faulty] == [reason for _, reason in clean]
         for i, ((text, _), (expected, _)) in enumerate(zip(faulty, clean, strict=True)):
             assert text == expected, (i, text, expected)
@@ -88,5 +93,15 @@ def test_a_killed_engines_streams_finish_on_its_sibling_with_the_same_text():
             if faulty[i][1] == "stop":
                 json.loads(faulty[i][0])
         assert _migrated(server.url) >= 1
+        assert _health(server.url)["down_ranks"] == [0]
+        if fault == "frozen":
+            os.kill(engine, signal.SIGCONT)
+            deadline = time.monotonic() + 30
+            while _health(server.url).get("down_ranks") and time.monotonic() < deadline:
+                time.sleep(0.5)
+            assert not _health(server.url).get("down_ranks")
+            assert [text for text, _ in asyncio.run(_run(server.url))] == [text for text, _ in clean]
     finally:
+        if fault == "frozen":
+            os.kill(engine, signal.SIGCONT)
         server.stop()
