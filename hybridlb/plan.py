@@ -317,14 +317,17 @@ def format_plan(plan: ClusterPlan) -> str:
         lines.append(f"{node.index:<6}{ranks:<14}{role:<22}{apis:<40}")
     lines.append(f"mode: {plan.mode}; data-parallel size {plan.size}"
                  + ("" if plan.complete else " (other nodes join through the rpc port)"))
-    if plan.coordinator:
+    if plan.coordinator and not plan.multi_node:
+        lines.append("coordinator: IPC sockets in the node's private runtime directory (stats in, loads out)")
+    elif plan.coordinator:
         lines.append(f"coordinator: {plan.coordinator_stats_address()} (stats in), "
                      f"{plan.coordinator_loads_address()} (loads out)")
     else:
         lines.append("coordinator: none (" + ("one rank" if plan.size == 1 else "external LB, independent ranks") + ")")
     if plan.lockstep:
         lines.append(f"MoE expert parallel: experts sharded over {plan.size} ranks stepping in lockstep; "
-                     f"waves {plan.coordinator_waves_address()}, rendezvous {plan.rendezvous_address()}")
+                     f"waves {'IPC' if not plan.multi_node else plan.coordinator_waves_address()}, rendezvous "
+                     f"{plan.rendezvous_address()}")
     if plan.multi_node:
         lines.append(f"rpc handshake: tcp://{plan.head_address}:{plan.rpc_port}")
     return "\n".join(lines)

@@ -42,6 +42,8 @@ import signal
 import time
 from multiprocessing.connection import wait
 
+import msgspec
+
 from hybridlb import lifecycle
 from hybridlb.api.context import ApiServerSpec
 from hybridlb.api.http_server import run_api_server
@@ -168,6 +170,12 @@ class Node:
             rendezvous=plan.rendezvous_address() if plan.lockstep else None,
             coordinator_waves=plan.coordinator_waves_address() if plan.lockstep else None,
         )
+        if not plan.multi_node:  # one node: no TCP listener a local user could feed forged stats or waves
+            ipc = f"ipc://{self.runtime_dir}/coordinator"
+            shared = msgspec.structs.replace(
+                shared, coordinator_stats=f"{ipc}-stats" if plan.coordinator else None,
+                coordinator_loads=f"{ipc}-loads" if plan.coordinator else None,
+                coordinator_waves=f"{ipc}-waves" if plan.lockstep else None)
         if self.node.is_head:
             if plan.coordinator:
                 self.coordinator_args = (shared.coordinator_stats, shared.coordinator_loads, plan.size,

@@ -11,7 +11,7 @@ import pytest
 import zmq
 
 from hybridlb.protocol import EngineStats, encoder
-from tests.security.listeners import assert_loopback_only
+from tests.security.listeners import assert_loopback_only, listeners
 from tests.servers import Server, completion, free_port_range, start_servers
 
 TOKEN = "s3cret-cluster-token"
@@ -87,6 +87,21 @@ def test_expert_parallel_rendezvous_listens_on_loopback_only(checkpoints):
     rpc = free_port_range(8)
     (server,) = start_servers(Server(checkpoints("qwen3_moe"), *_dp_flags(2, 2, 0, rpc), "--enable-expert-parallel"))
     try:
-        assert_loopback_only(server, {server.port, rpc + 1, rpc + 2, rpc + 3, rpc + 4})
+        assert_loopback_only(server, {server.port, rpc + 3})
+        assert not {rpc + 1, rpc + 2, rpc + 4} & {port for _, port in listeners(server.process.pid)}
+    finally:
+        server.stop()
+
+
+def test_one_node_has_no_coordinator_port_to_forge_stats_on(tiny_qwen3):
+    """On one node the coordinator's sockets are IPC in the node's private (0700) runtime
+    directory: forged stats sent where its TCP port would be reach nothing, and the node
+    listens on its HTTP port alone."""
+    rpc = free_port_range(8)
+    (server,) = start_servers(Server(tiny_qwen3, *_dp_flags(2, 2, 0, rpc)))
+    try:
+        assert {port for _, port in listeners(server.process.pid)} == {server.port}
+        _outsiders_cannot_inject_or_listen(server, rpc)
+        assert completion(server.url, server.model)["usage"]["completion_tokens"] == 4
     finally:
         server.stop()
