@@ -157,7 +157,8 @@ class Metrics:
         self.lost = Counter("hybridlb:lost_requests", "Requests failed after they reached an engine, by why: "
                             "engine_down, lost_output (a gap in the engine's messages), stuck (the engine silent for "
                             "api.engine_stall_s), timeout (no output for api.request_timeout_s), reader_error. "
-                            "Dense requests that streamed then move on (hybridlb:migrated_requests).", [*labels, "reason"], registry=r)
+                            "Dense requests that streamed then move on (hybridlb:migrated_requests).",
+                            [*labels, "reason"], registry=r)
         self.migrated = Counter("hybridlb:migrated_requests", "Requests that moved to another engine of the node "
                                 "mid-stream because this one died or was lost (api.migration_limit).", labels,
                                 registry=r)
