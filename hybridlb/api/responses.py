@@ -82,7 +82,14 @@ async def respond(request: Request, ctx: ApiContext, job: Job, stream: bool) -> 
                for i, (ids, params) in enumerate(zip(job.prompts, job.params, strict=True))
                for c in range(job.candidates)]
     if stream:
-        return StreamingResponse(_sse(ctx, job, streams), media_type="text/event-stream")
+        # The headers wait for the first item: a request refused before it produced anything
+        # (429 with Retry-After, 503) gets that status, which clients and SDKs retry on.
+        merged = _merged(job, streams)
+        first = await anext(merged, None)
+        if first is not None and isinstance(first[1], APIError):
+            await merged.aclose()
+            raise first[1]
+        return StreamingResponse(_sse(ctx, job, _then(first, merged)), media_type="text/event-stream")
     result = await _unless_disconnected(request, _collect(ctx, job, streams))
     return JSONResponse(result) if result is not None else Response(status_code=499)
 
@@ -198,10 +205,21 @@ def _chunk(job: Job, choice: dict, first: bool, fields: dict | None, usage: dict
     return _event(body)
 
 
-async def _sse(ctx: ApiContext, job: Job, streams: list[AsyncIterator]) -> AsyncIterator[bytes]:
+async def _then(first, rest: AsyncIterator) -> AsyncIterator:
+    """``first`` (when not None), then the rest of ``rest``."""
+    try:
+        if first is not None:
+            yield first
+        async for item in rest:
+            yield item
+    finally:
+        await rest.aclose()
+
+
+async def _sse(ctx: ApiContext, job: Job, merged: AsyncIterator) -> AsyncIterator[bytes]:
     """The SSE body; a failure while writing it ends the stream with an error event, never silently."""
     try:
-        async for event in _events(ctx, job, streams):
+        async for event in _events(ctx, job, merged):
             yield event
     except Exception as exc:
         log.exception("streaming response %s failed", job.id)
@@ -255,16 +273,18 @@ async def _merged(job: Job, streams: list[AsyncIterator]) -> AsyncIterator[tuple
             task.cancel()
 
 
-async def _events(ctx: ApiContext, job: Job, streams: list[AsyncIterator]) -> AsyncIterator[bytes]:
+async def _events(ctx: ApiContext, job: Job, merged: AsyncIterator) -> AsyncIterator[bytes]:
+    """``merged``: every choice's items (``_merged``)."""
     # Per choice: what is not sent yet (tokens whose text is still incomplete), characters
     # sent so far (the completions text_offset), and whether anything was sent.
-    pending = [Choice() for _ in streams]
-    offsets = [0] * len(streams)
-    started = [False] * len(streams)
-    shapes = [job.chat.shape() for _ in streams] if job.chat is not None else None
-    tokens = [0] * len(streams)
+    count = len(job.prompts) * job.candidates
+    pending = [Choice() for _ in range(count)]
+    offsets = [0] * count
+    started = [False] * count
+    shapes = [job.chat.shape() for _ in range(count)] if job.chat is not None else None
+    tokens = [0] * count
     completion = 0
-    async for index, item in _merged(job, streams):
+    async for index, item in merged:
         if isinstance(item, APIError):
             yield _event(item.body())
             continue

@@ -76,6 +76,9 @@ def test_a_full_engine_queue_answers_429(tiny_qwen3):
         assert refused.status_code == 429, refused.text
         assert refused.headers["retry-after"] == "1"
         assert "max_queued_requests" in refused.json()["error"]["message"]
+        streamed = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+            "model": server.model, "prompt": "GPU", "max_tokens": 2, "stream": True})
+        assert streamed.status_code == 429 and streamed.headers["retry-after"] == "1", streamed.text  # not 200 + event
         for _, done in events:
             assert done.wait(120)
         assert _post(server, 1).status_code == 200  # room again
