@@ -149,15 +149,16 @@ class HeadHandshake(threading.Thread):
             return
         identity, message = routed
         if isinstance(message, RegisterNode):
-            for old in self._replaced_by(identity, message):
-                log.info("node %r rejoined with ranks %d..%d; its old registration is gone", message.hostname,
-                         message.start_rank, message.start_rank + message.size_local - 1)
-                del self.nodes[old]
-            problem = self._problem(identity, message)
-            if problem:
+            replaced = self._replaced_by(identity, message)
+            problem = self._problem(identity, message, replaced)
+            if problem:  # checked first: a registration refused takes nothing from the nodes it overlaps
                 log.error("rejected node %r (start rank %d): %s", message.hostname, message.start_rank, problem)
                 self._send(identity, NodeRejected(problem))
                 return
+            for old in replaced:
+                log.info("node %r rejoined with ranks %d..%d; its old registration is gone", message.hostname,
+                         message.start_rank, message.start_rank + message.size_local - 1)
+                del self.nodes[old]
             self.nodes[identity] = message
             log.info("node %r joined with ranks %d..%d", message.hostname, message.start_rank,
                      message.start_rank + message.size_local - 1)
@@ -186,7 +187,7 @@ class HeadHandshake(threading.Thread):
                 replaced.append(other_id)
         return replaced
 
-    def _problem(self, identity: bytes, node: RegisterNode) -> str | None:
+    def _problem(self, identity: bytes, node: RegisterNode, replaced: list[bytes] = ()) -> str | None:
         own = self.own
         if own.token and not hmac.compare_digest(node.token.encode(), own.token.encode()):
             return "wrong cluster token; give every node the same --cluster-token / HYBRIDLB_CLUSTER_TOKEN"
@@ -206,7 +207,7 @@ class HeadHandshake(threading.Thread):
         if outside := sorted(set(node.engine_addresses) - ranks):
             return f"engine addresses for rank(s) {outside[:8]} that this node does not run"
         for other_id, other in [(b"head", own), *self.nodes.items()]:
-            if other_id == identity:
+            if other_id == identity or other_id in replaced:
                 continue
             taken = ranks & set(range(other.start_rank, other.start_rank + other.size_local))
             if taken:

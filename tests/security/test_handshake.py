@@ -159,3 +159,17 @@ def test_a_node_that_is_gone_gives_its_ranks_to_the_next(head, context):
     rival.socket.send(encoder.encode(refused))
     assert isinstance(rival.next(), NodeAccepted)
     assert [n.hostname for n in head.nodes.values()] == ["node-c"]
+
+
+def test_a_refused_registration_takes_nothing_from_the_node_it_overlaps(head, context):
+    """A node gone from rank 1 may be replaced, but only by a registration the head accepts:
+    one with a wrong size (or token, or model) is refused and node-b's record stays."""
+    first = Node(context, head)
+    assert isinstance(first.register(start_rank=1, token=TOKEN), NodeAccepted)
+    first.socket.close(linger=0)
+    time.sleep(0.5)  # node-b's connection is gone: a valid registration could take rank 1 now
+    rival = Node(context, head)
+    bad = msgspec.structs.replace(head.own, hostname="node-c", start_rank=1, token=TOKEN, size=5)
+    rival.socket.send(encoder.encode(bad))
+    assert isinstance(rival.next(), NodeRejected)
+    assert [n.hostname for n in head.nodes.values()] == ["node-b"]
