@@ -85,6 +85,8 @@ class RequestRunner:
         try:
             while not finished:
                 output = await self._next(queue, engine, wire_id)
+                if isinstance(output, EngineUnavailable) and output.reason == "shutdown":
+                    raise _failure(output)  # this server is stopping: nowhere to send it again
                 if yielded and self._migrates(output, migrations):
                     migrations, attempt = migrations + 1, attempt + 1
                     engine.release(wire_id, abort=False)  # lost: nothing to abort there

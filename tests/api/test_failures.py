@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from hybridlb.lifecycle import wait_gone
 from tests.servers import Server, start_server, start_servers
@@ -103,10 +104,12 @@ def test_ctrl_c_is_an_orderly_stop(tiny_qwen3):
     assert not runtime_dir.exists()
 
 
-def test_a_stop_ends_streams_in_flight_with_an_error_event(tiny_qwen3):
+@pytest.mark.parametrize("dp", [1, 2])
+def test_a_stop_ends_streams_in_flight_with_an_error_event(tiny_qwen3, dp):
     """SIGTERM stops the engines too, so a stream cannot finish: its client gets an error event,
-    not a connection cut when the grace period ends."""
-    (server,) = start_servers(Server(tiny_qwen3, "--simulate-step-ms", "20"))
+    not a connection cut when the grace period ends (nor a move to another engine that is
+    stopping as well)."""
+    (server,) = start_servers(Server(tiny_qwen3, "--simulate-step-ms", "20", "--data-parallel-size", str(dp)))
     body = {"model": server.model, "prompt": "stop me", "max_tokens": 400, "ignore_eos": True, "stream": True}
     events = []
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as response:
