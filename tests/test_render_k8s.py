@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from hybridlb.config import load_config
-from hybridlb.launch.k8s import PodOptions, RenderError, render, whole_cluster
+from hybridlb.launch.k8s import LWS_NAME_LABEL, PodOptions, RenderError, render, whole_cluster
 from hybridlb.plan import plan_cluster
 
 
@@ -85,7 +85,8 @@ def test_a_cluster_without_node_addresses_renders_with_its_token_in_a_secret(tmp
     assert docs[1]["stringData"]["token"] == "s3cret-token-for-the-test"
     pod = docs[2]["spec"]["leaderWorkerTemplate"]["workerTemplate"]
     container = pod["spec"]["containers"][0]
-    assert container["env"][0]["valueFrom"]["secretKeyRef"] == {"name": "hybridlb-default-token", "key": "token"}
+    token = next(e for e in container["env"] if e["name"] == "HYBRIDLB_CLUSTER_TOKEN")
+    assert token["valueFrom"]["secretKeyRef"] == {"name": "hybridlb-default-token", "key": "token"}
     # Two engines of a 0.56M-parameter model in float32 (auto on CPU counts 4 bytes), 1 GiB KV and
     # 0.75 GiB overhead each, 1 GiB for the API server: 4.5 GiB, rounded up to a quarter GiB.
     assert container["resources"]["requests"]["memory"] == "4864Mi"
@@ -94,6 +95,37 @@ def test_a_cluster_without_node_addresses_renders_with_its_token_in_a_secret(tmp
     assert container["startupProbe"]["failureThreshold"] * container["startupProbe"]["periodSeconds"] >= 1800
     assert "initialDelaySeconds" not in container["livenessProbe"]
     assert pod["metadata"]["labels"]["llm-d.ai/inference-serving"] == "true"
+
+
+def test_pods_are_unprivileged_and_secrets_stay_out_of_the_config_map(tmp_path, tiny_qwen3):
+    """The API key is a Secret like the token; every pod runs as the image's unprivileged user
+    with a read-only root, no capabilities and no service-account token; --network-policy keeps
+    the cluster's ports to the group and leaves HTTP and KV events open."""
+    path = tmp_path / "lws.yaml"
+    path.write_text(f"engine: {{model: {tiny_qwen3}, kv_events: {{enable_kv_cache_events: true}}}}\n"
+                    "api: {api_key: sk-the-api-key}\n"
+                    "data_parallel: {size: 4, size_local: 2, cluster_token: a-token-of-thirty-two-characters}\n")
+    docs = _documents(str(path), network_policy=True)
+    assert "sk-the-api-key" not in docs[0]["data"]["config.yaml"]
+    secrets = {d["metadata"]["name"]: d["stringData"] for d in docs if d["kind"] == "Secret"}
+    assert secrets["hybridlb-default-api-key"] == {"api_key": "sk-the-api-key"}
+    for role in ("leaderTemplate", "workerTemplate"):
+        pod = next(d for d in docs if d["kind"] == "LeaderWorkerSet")["spec"]["leaderWorkerTemplate"][role]["spec"]
+        assert pod["automountServiceAccountToken"] is False and pod["securityContext"]["runAsNonRoot"] is True
+        container = pod["containers"][0]
+        assert container["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                                "capabilities": {"drop": ["ALL"]}}
+        assert {"name": "scratch", "mountPath": "/tmp"} in container["volumeMounts"]
+        key = next(e for e in container["env"] if e["name"] == "HYBRIDLB_API_KEY")
+        assert key["valueFrom"]["secretKeyRef"] == {"name": "hybridlb-default-api-key", "key": "api_key"}
+    policy = next(d for d in docs if d["kind"] == "NetworkPolicy")
+    assert _problems(policy, _schema("networkpolicy-v1")) == []
+    group, public = policy["spec"]["ingress"]
+    assert group["from"][0]["podSelector"]["matchLabels"] == {LWS_NAME_LABEL: "hybridlb-default"}
+    assert public["ports"] == [{"protocol": "TCP", "port": 8000},
+                               {"protocol": "TCP", "port": 5557, "endPort": 5560}]  # HTTP, KV events of 4 ranks
+    assert "sk-the-api-key" not in yaml.safe_dump(docs[0]) and not any(
+        "sk-the-api-key" in json.dumps(d) for d in docs if d["kind"] not in ("Secret",))
 
 
 def test_render_names_what_is_missing(tmp_path):

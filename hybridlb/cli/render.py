@@ -30,6 +30,8 @@ def render_k8s(
         help="The pods' load balancing (default: the config's lb.mode): hybrid, or multi-port, llm-d's current "
              "shape (a port per rank, probes on a supervisor port, an InferencePool over every rank port and a "
              "PodMonitor).")] = None,
+    network_policy: Annotated[bool, typer.Option(
+        help="Also a NetworkPolicy: the HTTP ports open, the cluster's own ports to the group's pods only.")] = False,
     out: Annotated[Path | None, typer.Option(help="Write here instead of stdout.")] = None,
 ):
     """A LeaderWorkerSet manifest: one pod per node running `hybridlb serve`, a Service per node
@@ -40,7 +42,7 @@ def render_k8s(
         overrides = {"lb": {"mode": lb.replace("-", "_")}} if lb else {}
         cfg = whole_cluster(build_config(config, None, overrides))
         plan, _ = plan_of(cfg)
-        options = PodOptions(image, model_pvc, model_host_path, memory_gib, shm_gib)
+        options = PodOptions(image, model_pvc, model_host_path, memory_gib, shm_gib, network_policy)
         manifest = render(cfg, plan, options)
     except RenderError as exc:
         fail(str(exc))

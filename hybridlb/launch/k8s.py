@@ -9,7 +9,11 @@ where ``engine.model`` points) or is baked into the image. Every pod gets a memo
 sized from the model, a memory-backed ``/dev/shm``, a startup probe that gives a slow load
 its time before liveness applies, and labels an llm-d InferencePool can select; every node
 that serves HTTP gets a Service of its own, and one Service spans them all (what a plain
-client or an Ingress points at).
+client or an Ingress points at). Pods run unprivileged (non-root, no privilege escalation, no
+capabilities, a read-only root with /tmp an emptyDir, no service-account token); the API key,
+like the cluster token, is a Secret, never in the ConfigMap; ``--network-policy`` adds a
+NetworkPolicy that opens the HTTP (and KV-event) ports and keeps the cluster's own ports to
+the group's pods.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ class PodOptions:
     model_host_path: str | None = None
     memory_gib: float | None = None  # default: estimated from the model (``pod_memory_gib``)
     shm_gib: float = 1.0
+    network_policy: bool = False  # a NetworkPolicy: the cluster ports open to the group's own pods only
 
 
 class _NoAliases(yaml.SafeDumper):
@@ -135,7 +140,8 @@ def _container(config: Config, plan: ClusterPlan, size_local: int, headless: boo
     if config.engine.device == "cuda":
         resources["limits"]["nvidia.com/gpu"] = str(int(size_local * (config.ray.gpus_per_engine or 1)))
     mounts = [{"name": "config", "mountPath": posixpath.dirname(CONFIG_PATH)},
-              {"name": "dshm", "mountPath": "/dev/shm"}]
+              {"name": "dshm", "mountPath": "/dev/shm"},
+              {"name": "scratch", "mountPath": "/tmp"}]  # the runtime directory and the kernels' build cache
     if options.model_pvc or options.model_host_path:
         mounts.append({"name": "model", "mountPath": _model_mount(config.engine.model), "readOnly": True})
     container = {
@@ -143,15 +149,19 @@ def _container(config: Config, plan: ClusterPlan, size_local: int, headless: boo
         "command": ["sh", "-c", serve_command(plan, size_local, headless)],
         "resources": resources, "volumeMounts": mounts,
         "ports": [{"containerPort": plan.rpc_port + i, "name": f"dp-{i}"} for i in range(5)],
+        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                            "capabilities": {"drop": ["ALL"]}},
     }
-    env = []
+    env = [{"name": "XDG_CACHE_HOME", "value": "/tmp/cache"}]  # the root filesystem is read-only
+    if config.api.api_key:
+        env.append({"name": "HYBRIDLB_API_KEY",
+                    "valueFrom": {"secretKeyRef": {"name": f"{name}-api-key", "key": "api_key"}}})
     if config.data_parallel.cluster_token:
         env.append({"name": "HYBRIDLB_CLUSTER_TOKEN",
                     "valueFrom": {"secretKeyRef": {"name": f"{name}-token", "key": "token"}}})
     if _publishes_kv_events(config):  # the engines name their pod in their KV-event topic
         env.append({"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
-    if env:
-        container["env"] = env
+    container["env"] = env
     if headless:
         return container
     port = config.api.port
@@ -189,7 +199,8 @@ def _pod(config: Config, plan: ClusterPlan, name: str, role: str, headless: bool
     if not headless:
         labels.update(dict.fromkeys(SERVING_LABELS, "true"))
     volumes = [{"name": "config", "configMap": {"name": f"{name}-config"}},
-               {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": _mebibytes(options.shm_gib)}}]
+               {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": _mebibytes(options.shm_gib)}},
+               {"name": "scratch", "emptyDir": {}}]
     if options.model_pvc:
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": options.model_pvc,
                                                                    "readOnly": True}})
@@ -198,7 +209,11 @@ def _pod(config: Config, plan: ClusterPlan, name: str, role: str, headless: bool
     return {
         "metadata": {"labels": labels},
         "spec": {"containers": [_container(config, plan, size_local, headless, options, name)],
-                 "volumes": volumes},
+                 "volumes": volumes,
+                 # Unprivileged (the Dockerfile's user), no Kubernetes API credentials: a pod needs neither.
+                 "automountServiceAccountToken": False,
+                 "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000,
+                                     "seccompProfile": {"type": "RuntimeDefault"}}},
     }
 
 
@@ -220,6 +235,7 @@ def render(config: Config, plan: ClusterPlan, options: PodOptions = PodOptions()
     for per_node in ("nodes", "start_rank", "size_local", "headless", "node_address", "rank", "address",
                      "cluster_token"):
         dp.pop(per_node, None)
+    shared.get("api", {}).pop("api_key", None)  # a Secret, not the ConfigMap
     if _publishes_kv_events(config) and not config.engine.kv_events.topic:
         shared["engine"]["kv_events"]["topic"] = LLM_D_KV_TOPIC
     documents = [{"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"{name}-config"},
@@ -227,6 +243,9 @@ def render(config: Config, plan: ClusterPlan, options: PodOptions = PodOptions()
     if config.data_parallel.cluster_token:
         documents.append({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": f"{name}-token"},
                           "type": "Opaque", "stringData": {"token": config.data_parallel.cluster_token}})
+    if config.api.api_key:
+        documents.append({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": f"{name}-api-key"},
+                          "type": "Opaque", "stringData": {"api_key": config.api.api_key}})
     worker_is_headless = bool(worker_headless and worker_headless.pop())
     documents.append(
         {"apiVersion": "leaderworkerset.x-k8s.io/v1", "kind": "LeaderWorkerSet", "metadata": {"name": name},
@@ -248,7 +267,26 @@ def render(config: Config, plan: ClusterPlan, options: PodOptions = PodOptions()
     })
     if plan.mode == "multi_port":
         documents += _llm_d_objects(config, plan, name)
+    if options.network_policy:
+        documents.append(_network_policy(config, plan, name))
     return yaml.dump_all(documents, Dumper=_NoAliases, sort_keys=False)
+
+
+def _network_policy(config: Config, plan: ClusterPlan, name: str) -> dict:
+    """Ingress to the group's pods: the HTTP ports (and the supervisor's) from anywhere, every
+    other port (handshake, coordinator, engines, rendezvous, KV events) from the group's own
+    pods only."""
+    open_ports = [{"protocol": "TCP", "port": port} for _, port in _serving_ports(config, plan)]
+    if plan.mode == "multi_port":
+        open_ports.append({"protocol": "TCP", "port": config.lb.supervisor_port})
+    endpoint = config.engine.kv_events.endpoint if _publishes_kv_events(config) else ""
+    if endpoint.startswith("tcp://*:"):  # KV events for llm-d's indexer, outside the group: rank r on port + r
+        first = int(endpoint.rsplit(":", 1)[1])
+        open_ports.append({"protocol": "TCP", "port": first, "endPort": first + plan.size - 1})
+    group = {"podSelector": {"matchLabels": {LWS_NAME_LABEL: name}}}
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": {"name": name},
+            "spec": {"podSelector": {"matchLabels": {LWS_NAME_LABEL: name}}, "policyTypes": ["Ingress"],
+                     "ingress": [{"from": [group]}, {"ports": open_ports}]}}
 
 
 def _publishes_kv_events(config: Config) -> bool:
