@@ -61,6 +61,9 @@ def run_pods(network: HostNetwork, docs: list[dict], tmp_path: Path) -> list[Ser
         env = {"LWS_LEADER_ADDRESS": leader, "LWS_WORKER_INDEX": str(index), "LWS_GROUP_SIZE": str(size),
                "LWS_NAME": name, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
         for var in container.get("env", []):
+            if "value" in var:
+                env[var["name"]] = var["value"]
+                continue
             ref = var["valueFrom"]["secretKeyRef"]
             env[var["name"]] = secrets[ref["name"]][ref["key"]]
         mounts = {}
