@@ -77,6 +77,7 @@ class Coordinator:
             self.waves_out.bind(waves_address)
         self.latest: dict[int, EngineStats] = {}
         self.heard: dict[int, float] = {}  # rank → when its last message arrived
+        self.epoch_heard: dict[int, float] = {}  # rank → when the epoch of its latest stats last spoke
         self.started = time.monotonic()
         self.current_wave = 0
         self.running = False
@@ -117,9 +118,12 @@ class Coordinator:
         if now - self.heard.get(stats.rank, self.started) > LOST_AFTER_S:
             self.changed = True  # back from the dead: say so now
         self.heard[stats.rank] = now
-        if is_newer(stats, self.latest.get(stats.rank)):
-            self.latest[stats.rank] = stats
+        latest = self.latest.get(stats.rank)
+        if is_newer(stats, latest, now - self.epoch_heard.get(stats.rank, now)):
+            self.latest[stats.rank] = latest = stats
             self.changed = True
+        if stats.epoch == latest.epoch:
+            self.epoch_heard[stats.rank] = now  # when the epoch we hold last spoke
 
     def _start_wave(self, message: StartWave) -> None:
         self.wave_messages += 1

@@ -323,9 +323,18 @@ class EngineStats(msgspec.Struct, tag="stats"):
     borrowed_steps: int = 0  # steps run on cores borrowed from the node's idle engines (rides along)
 
 
-def is_newer(stats: EngineStats, than: EngineStats | None) -> bool:
-    """Whether ``stats`` is a later view of its engine than ``than`` (a restart starts a new epoch)."""
-    return than is None or (stats.epoch, stats.seq) > (than.epoch, than.seq)
+RESTART_SILENCE_S = 1.5  # an epoch unheard this long (engines report every second) has ended
+
+
+def is_newer(stats: EngineStats, than: EngineStats | None, than_silent_s: float = 0.0) -> bool:
+    """Whether ``stats`` is a later view of its engine than ``than``. A restart starts a new
+    epoch (the engine's start time): a larger one is newer at once; any other epoch is newer
+    once ``than``'s epoch has been silent for ``RESTART_SILENCE_S`` (``than_silent_s``), so an
+    engine restarted after the wall clock stepped back is still heard, while a late message
+    of a live epoch is not taken for a restart."""
+    if than is None or (stats.epoch, stats.seq) > (than.epoch, than.seq):
+        return True
+    return stats.epoch != than.epoch and than_silent_s > RESTART_SILENCE_S
 
 
 class WaveComplete(msgspec.Struct, tag="wave_complete"):

@@ -31,6 +31,27 @@ def test_a_restarted_engine_is_newer_despite_a_lower_seq(coordinator):
     assert coordinator.latest[0].num_running == 0
 
 
+def test_a_restart_after_the_wall_clock_stepped_back_is_still_heard(coordinator, monkeypatch):
+    """An engine's epoch is its start time: restarted after NTP set the clock back, its epoch is
+    smaller. Once the old epoch has been silent for RESTART_SILENCE_S the new one counts; a
+    smaller epoch while the old one still speaks (a late or forged message) does not."""
+    clock = [1000.0]
+    monkeypatch.setattr(coordinator_module.time, "monotonic", lambda: clock[0])
+    coordinator.receive(encoder.encode(_stats(0, seq=9, epoch=2_000, running=7)))
+    clock[0] += 1.0
+    coordinator.receive(encoder.encode(_stats(0, seq=1, epoch=1_000, running=1)))  # the old epoch spoke 1 s ago
+    assert coordinator.latest[0].num_running == 7
+    clock[0] += 1.0  # the old epoch silent for 2 s: it has ended
+    coordinator.receive(encoder.encode(_stats(0, seq=2, epoch=1_000, running=3)))
+    assert coordinator.latest[0].num_running == 3
+    clock[0] += 0.5
+    coordinator.receive(encoder.encode(_stats(0, seq=10, epoch=2_000, running=9)))  # the dead one's late message
+    for _ in range(4):  # the live engine reports every second and is back within RESTART_SILENCE_S of it
+        clock[0] += 1.0
+        coordinator.receive(encoder.encode(_stats(0, seq=3, epoch=1_000, running=3)))
+    assert coordinator.latest[0].num_running == 3
+
+
 def test_silent_ranks_are_listed_lost_until_they_report(coordinator, monkeypatch):
     now = time.monotonic()
     for rank in range(3):

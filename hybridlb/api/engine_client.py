@@ -82,6 +82,7 @@ class EngineConnection:
         self.info: EngineReady | None = None
         self.alive = False
         self.stats: EngineStats | None = None
+        self._epoch_heard = time.monotonic()  # when the epoch of ``stats`` last spoke (is_newer)
         self.prefix: PrefixIndex | None = None  # what this server sent that the engine may still cache
         self.on_stats = on_stats
         self.on_lost = on_lost  # (rank, reason, count): requests failed by this connection, for metrics
@@ -207,8 +208,12 @@ class EngineConnection:
 
     def update_stats(self, stats: EngineStats) -> None:
         """Take ``stats`` if newer than what we have (direct from the engine or via the coordinator)."""
-        if not is_newer(stats, self.stats):
+        now = time.monotonic()
+        if not is_newer(stats, self.stats, now - self._epoch_heard):
+            if self.stats is not None and stats.epoch == self.stats.epoch:
+                self._epoch_heard = now
             return
+        self._epoch_heard = now
         self.stats = stats
         if self.on_stats:
             self.on_stats(stats)
