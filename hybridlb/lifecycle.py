@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import logging
@@ -20,6 +21,8 @@ import setproctitle
 _PR_SET_PDEATHSIG = 1
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
+
+log = logging.getLogger(__name__)
 
 
 def set_title(title: str) -> None:
@@ -208,3 +211,18 @@ def _running(pid: int) -> bool:
         return "Z (zombie)" not in Path(f"/proc/{pid}/status").read_text()
     except (FileNotFoundError, ProcessLookupError):
         return False
+
+
+async def supervised(name: str, start, retry_s: float = 1.0) -> None:
+    """Run ``await start()`` for as long as the calling task lives: a background loop that
+    raises is logged with its traceback and started again after ``retry_s``, never left dead
+    with nobody noticing. Cancelling the task ends it."""
+    while True:
+        try:
+            await start()
+            return
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("%s failed; starting it again in %g s", name, retry_s)
+            await asyncio.sleep(retry_s)

@@ -13,7 +13,7 @@ import zmq.asyncio
 
 from hybridlb.api.engine_client import EngineConnection, EngineUnavailable
 from hybridlb.api.jobs import Job
-from hybridlb.api.responses import _sse
+from hybridlb.api.responses import _merged, _sse
 from hybridlb.config import EngineConfig
 from hybridlb.engine.client import EngineClient
 from hybridlb.engine.core import SickEngine, make_core
@@ -150,9 +150,27 @@ def test_an_exception_in_a_stream_ends_it_with_an_error_event():
     job = Job("text_completion", "cmpl-1", "m", [[1]], [SHORT], include_usage=False)
 
     async def main():
-        return [event async for event in _sse(None, job, [broken()])]
+        return [event async for event in _sse(None, job, _merged(job, [broken()]))]
 
     events = asyncio.run(main())
     assert events[-1] == b"data: [DONE]\n\n"
     error = json.loads(events[0][6:])["error"]
     assert "KeyError" in error["message"] and error["type"] == "internal_error"
+
+
+def test_a_background_loop_that_raises_is_logged_and_started_again(caplog):
+    import asyncio
+
+    from hybridlb.lifecycle import supervised
+
+    runs = []
+
+    async def flaky() -> None:
+        runs.append(len(runs))
+        if len(runs) < 3:
+            raise RuntimeError(f"bug number {len(runs)}")
+
+    asyncio.run(supervised("the test loop", flaky, retry_s=0.01))
+    assert runs == [0, 1, 2]
+    failures = [r for r in caplog.records if "the test loop failed" in r.getMessage()]
+    assert len(failures) == 2 and failures[0].exc_info is not None

@@ -17,7 +17,7 @@ import zmq
 import zmq.asyncio
 from fastapi import FastAPI
 
-from hybridlb import __version__
+from hybridlb import __version__, lifecycle
 from hybridlb.api import routes
 from hybridlb.api.admission import Slots
 from hybridlb.api.context import ApiContext, ApiServerSpec
@@ -114,7 +114,8 @@ def create_app(config: Config, spec: ApiServerSpec, on_ready: Callable[[], None]
                                    config.api.migration_limit)
         tasks = [asyncio.create_task(_announce_ready(connections, on_ready, metrics))]
         if spec.coordinator_loads:
-            tasks.append(asyncio.create_task(_follow_coordinator(context, spec.coordinator_loads, ctx)))
+            tasks.append(asyncio.create_task(lifecycle.supervised(
+                "the coordinator's follower", lambda: _follow_coordinator(context, spec.coordinator_loads, ctx))))
         yield
         for task in tasks:
             task.cancel()

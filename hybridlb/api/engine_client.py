@@ -25,6 +25,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from hybridlb import lifecycle
 from hybridlb.api.balance import RankView, load_score
 from hybridlb.api.prefix_index import PrefixIndex
 from hybridlb.protocol import (
@@ -92,9 +93,11 @@ class EngineConnection:
 
     def start(self) -> None:
         self._send(Hello(self.client_id))
-        self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch())]
+        loops = [("reader", self._read), ("connection watch", self._watch)]
         if self.stall_s:
-            self._tasks.append(asyncio.create_task(self._watch_stall()))
+            loops.append(("stall watch", self._watch_stall))
+        self._tasks = [asyncio.create_task(lifecycle.supervised(f"engine {self.rank}'s {what}", loop))
+                       for what, loop in loops]
 
     async def wait_ready(self, timeout_s: float) -> EngineReady:
         await asyncio.wait_for(self._ready.wait(), timeout_s)

@@ -301,14 +301,17 @@ class NodeLink:
         """From now on, call ``on_lost(reason)`` once if the head goes quiet or stops."""
 
         def loop() -> None:
-            try:
-                while True:
+            while True:
+                try:
                     self._recv(3600)
-            except ClusterError as exc:
-                self.lost = str(exc)
-                on_lost(self.lost)
-            except zmq.ZMQError:  # closed by this node's own shutdown
-                return
+                except ClusterError as exc:
+                    self.lost = str(exc)
+                    on_lost(self.lost)
+                    return
+                except zmq.ZMQError:  # closed by this node's own shutdown
+                    return
+                except Exception:  # a bug handling one message: say so, keep watching
+                    log.exception("could not handle a message from the head; watching on")
 
         self._watcher = threading.Thread(target=loop, name="hybridlb-head-watch", daemon=True)
         self._watcher.start()
