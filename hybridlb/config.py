@@ -244,6 +244,10 @@ class ApiConfig(_Section):
         "(also read from HYBRIDLB_API_KEY, then VLLM_API_KEY)."
     )
     max_body_bytes: int = Field(8 * 2**20, ge=1024, description="Larger request bodies get 413.")
+    body_timeout_s: float = Field(
+        30.0, gt=0, description="A request body not received whole this long after the request began gets 408 "
+        "(a slow or stalled upload gives back its concurrency slot)."
+    )
     max_concurrent_requests: int = Field(
         4096, ge=0, description="Requests one API server process works on at once (streams included); more get "
         "429 with Retry-After. /health, /load, /metrics and /version are never refused. 0: no limit."

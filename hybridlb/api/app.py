@@ -133,6 +133,7 @@ def create_app(config: Config, spec: ApiServerSpec, on_ready: Callable[[], None]
     app.state.stop_requests = stop_requests
     install_error_handlers(app)
     api_key = config.api.api_key or os.environ.get("HYBRIDLB_API_KEY") or os.environ.get("VLLM_API_KEY")
-    app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=config.api.max_body_bytes, slots=ctx.slots)
+    app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=config.api.max_body_bytes, slots=ctx.slots,
+                       body_timeout_s=config.api.body_timeout_s)
     routes.install(app)
     return app

@@ -3,6 +3,7 @@ limit, and the first slot of the concurrency limit (``hybridlb.api.admission``).
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -19,8 +20,9 @@ class RequestGuard:
     guarded by default), the request body size limit, and the first slot of the concurrency
     limit (``Slots``: a request takes the rest once its body says how many sequences it has)."""
 
-    def __init__(self, app, api_key: str | None, max_body_bytes: int, slots: Slots):
+    def __init__(self, app, api_key: str | None, max_body_bytes: int, slots: Slots, body_timeout_s: float = 30.0):
         self.app, self.api_key, self.max_body_bytes, self.slots = app, api_key, max_body_bytes, slots
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -39,11 +41,20 @@ class RequestGuard:
             self.slots.admit(scope)
         except APIError as busy:
             return await error_response(busy)(scope, receive, send)
-        received = 0
+        received, whole = 0, False
+        deadline = asyncio.get_running_loop().time() + self.body_timeout_s
 
         async def counted():
-            nonlocal received
-            message = await receive()
+            nonlocal received, whole
+            if whole:  # the body is in: what comes now is the client going away, whenever it does
+                return await receive()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                raise StarletteHTTPException(408, f"the request body did not arrive within {self.body_timeout_s:g} s "
+                                                  "(api.body_timeout_s)") from None
+            whole = message.get("type") != "http.request" or not message.get("more_body", False)
             received += len(message.get("body", b""))
             if received > self.max_body_bytes:  # no Content-Length (chunked): stop reading here
                 raise StarletteHTTPException(413, self._too_large_message())

@@ -184,3 +184,25 @@ def test_vllm_api_key_guards_the_server_and_each_served_name_answers(tiny_qwen3,
         assert 'model_name="alpha"' in httpx.get(f"{server.url}/metrics").text
     finally:
         server.stop()
+
+
+def test_a_stalled_upload_gets_408_and_gives_back_its_slot(tiny_qwen3, tmp_path):
+    """Bodies that stop arriving hold their slots for api.body_timeout_s at most: then 408, and
+    the server takes requests again."""
+    config = tmp_path / "slow.yaml"
+    config.write_text(f"engine: {{model: {tiny_qwen3}}}\n"
+                      f"api: {{body_timeout_s: 2, max_concurrent_requests: {MAX_CONCURRENT}}}\n")
+    server = start_server(tiny_qwen3, "--config", str(config), "--api-key", KEY)
+    try:
+        body = {"model": server.model, "prompt": "GPU", "max_tokens": 2}
+        held = _fill_slots(server)
+        assert httpx.post(f"{server.url}/v1/completions", json=body, headers=AUTH).status_code == 429
+        for sock in held:
+            answer = ""
+            while "api.body_timeout_s" not in answer and (chunk := sock.recv(4096)):  # well before the socket's 30 s
+                answer += chunk.decode()
+            assert answer.startswith("HTTP/1.1 408") and "api.body_timeout_s" in answer, answer
+            sock.close()
+        assert httpx.post(f"{server.url}/v1/completions", json=body, headers=AUTH).status_code == 200
+    finally:
+        server.stop()
