@@ -182,8 +182,9 @@ def _render(ctx: ApiContext, body: ChatCompletionRequest) -> str:
 
 
 async def prepare(request: Request, make_job, ctx: ApiContext, body) -> Job:
-    """``make_job(ctx, body)``: tokenizing and templating a large body runs off the event
-    loop, so other requests' tokens keep streaming meanwhile."""
+    """``make_job(ctx, body)`` (a job, or the /tokenize and /detokenize answers): tokenizing and
+    templating a large body runs off the event loop, so other requests' tokens keep streaming
+    meanwhile."""
     size = request.headers.get("content-length", "")
     if size.isdigit() and int(size) <= INLINE_BODY_BYTES:
         return make_job(ctx, body)

@@ -40,14 +40,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
     return await respond(request, ctx, await prepare(request, chat_job, ctx, body), body.stream)
 
 
-async def tokenize_route(body: TokenizeRequest, ctx: Context):
+async def tokenize_route(body: TokenizeRequest, request: Request, ctx: Context):
     ctx.serving(body.model)
-    return tokenize(ctx, body)
+    return await prepare(request, tokenize, ctx, body)  # a large body off the event loop, as a prompt's
 
 
-async def detokenize_route(body: DetokenizeRequest, ctx: Context):
+async def detokenize_route(body: DetokenizeRequest, request: Request, ctx: Context):
     ctx.serving(body.model)
-    return detokenize(ctx, body)
+    return await prepare(request, detokenize, ctx, body)
 
 
 async def tokenizer_info_route(ctx: Context):
