@@ -34,6 +34,10 @@ class IOThread(threading.Thread):
         # Mandatory routing: a send to a front end that is gone fails instead of vanishing,
         # so the busy loop stops sending it stats (``gone``).
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # A front end that reconnects (after this engine was frozen, or the link was cut) takes
+        # over its identity at once, even before the old connection's end is noticed here;
+        # without this its Hello could go to a pipe that is about to close.
+        self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         # No limit on what waits for a slow front end (an API server stalled by a GC pause
         # gets every output when it resumes); one that answers no ping is cut off instead.
         self.router.setsockopt(zmq.SNDHWM, 0)

@@ -77,7 +77,10 @@ def _apply_grammars(logits: torch.Tensor, requests: list[Request]) -> None:
             bitmask.view(np.uint32)[i, first // 32] |= np.uint32(1 << (first % 32))
     # Bit b of word w is token 32w + b: on a little-endian machine, byte-wise little bit order.
     allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, count=vocab, bitorder="little")
-    forbidden = torch.from_numpy(allowed).to(logits.device) == 0
+    forbidden = torch.from_numpy(allowed.view(np.bool_)).logical_not().to(logits.device)  # 0/1 bytes read as bools
+    if len(rows) == len(requests):  # every row constrained: in place, no gather and scatter
+        logits.masked_fill_(forbidden, float("-inf"))
+        return
     index = torch.tensor(rows, device=logits.device)
     logits[index] = logits[index].masked_fill(forbidden, float("-inf"))
 
