@@ -15,8 +15,8 @@ import json
 from dataclasses import dataclass
 
 from hybridlb.api import structured
+from hybridlb.api.chat_schemas import ChatCompletionRequest, NamedToolChoice
 from hybridlb.api.errors import APIError
-from hybridlb.api.schemas import ChatCompletionRequest, NamedToolChoice
 from hybridlb.api.tools import ToolParser, make_parser
 from hybridlb.api.tools.forced import NamedParser, RequiredParser, arguments_schema, named_schema, required_schema
 from hybridlb.config import ApiConfig, StructuredOutputsConfig

@@ -19,11 +19,12 @@ from fastapi import Request
 
 from hybridlb.api import structured
 from hybridlb.api.chat_output import ChatOutput
+from hybridlb.api.chat_schemas import ChatCompletionRequest
 from hybridlb.api.chat_tools import chat_tools
 from hybridlb.api.context import ApiContext
 from hybridlb.api.errors import APIError
 from hybridlb.api.reasoning import reasoning_ended, reasoning_opened
-from hybridlb.api.schemas import MAX_PROMPTS, ChatCompletionRequest, CompletionRequest, SamplingRequest
+from hybridlb.api.schemas import MAX_PROMPTS, CompletionRequest, SamplingRequest
 from hybridlb.protocol import MAX_BAD_WORDS, Constraint, SamplingParams
 
 INLINE_BODY_BYTES = 16 * 2**10  # smaller bodies are tokenized on the event loop (a thread hop costs more)

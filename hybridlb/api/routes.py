@@ -14,12 +14,13 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from hybridlb import __version__
+from hybridlb.api.chat_schemas import ChatCompletionRequest
 from hybridlb.api.context import ApiContext
 from hybridlb.api.engine_client import EngineConnection
 from hybridlb.api.errors import APIError, error_response
 from hybridlb.api.jobs import chat_job, completion_job, prepare
 from hybridlb.api.responses import respond
-from hybridlb.api.schemas import ChatCompletionRequest, CompletionRequest
+from hybridlb.api.schemas import CompletionRequest
 from hybridlb.api.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize, tokenizer_info
 
 
