@@ -8,6 +8,7 @@ at import; ``hybridlb.api.http_server.use_shared_metrics``).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -53,14 +54,14 @@ class ApiContext:
     pool: EnginePool | None = None
     runner: RequestRunner | None = None
 
-    @property
+    @functools.cached_property
     def reasoning_start_ids(self) -> list[int]:
-        """The tokens of ``<think>`` (see Constraint.opener)."""
+        """The tokens of ``<think>`` (see Constraint.opener), tokenized once."""
         return self.tokenizer.encode("<think>", add_special_tokens=False)
 
-    @property
+    @functools.cached_property
     def reasoning_end_ids(self) -> list[int]:
-        """The tokens of ``</think>``: a reasoning model's constraint starts after them."""
+        """The tokens of ``</think>``: a reasoning model's constraint starts after them (tokenized once)."""
         return self.tokenizer.encode("</think>", add_special_tokens=False)
 
     @property
