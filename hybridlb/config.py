@@ -66,8 +66,9 @@ class KVEventsConfig(_Section):
     enable_kv_cache_events: bool = Field(False, description="Publish block stored / removed events.")
     publisher: Literal["zmq", "null"] | None = Field(
         None, description="zmq (the default once enabled) or null (publish nothing).")
-    endpoint: str = Field("tcp://*:5557", description="ZMQ PUB endpoint: bound when it holds * (or is ipc:// "
-                          "or inproc://), else dialled. Rank r publishes on the port plus r.")
+    endpoint: str | None = Field(None, description="ZMQ PUB endpoint: bound when it holds * (or is ipc:// or "
+                                 "inproc://), else dialled (vLLM's rule). Rank r publishes on the port plus r. "
+                                 "Unset: bound on loopback, tcp://127.0.0.1:5557 (vLLM binds tcp://*:5557).")
     replay_endpoint: str | None = Field(None, description="ZMQ ROUTER endpoint that replays buffered events "
                                         "from a sequence number.")
     buffer_steps: int = Field(10000, ge=1, description="Batches kept for replay.")

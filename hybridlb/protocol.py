@@ -386,6 +386,7 @@ class NodeAccepted(msgspec.Struct, tag="accepted"):
     coordinator_loads: str | None
     rendezvous: str | None  # MoE lockstep: torch.distributed init address
     coordinator_waves: str | None = None  # MoE lockstep: where StartWave is published
+    session_key: str = ""  # no cluster token: the CURVE secret the head drew for this run (transport.py)
 
 
 class NodeRejected(msgspec.Struct, tag="rejected"):

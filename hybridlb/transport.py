@@ -6,8 +6,15 @@ internal-LB mode — is a CURVE server whose key pair is derived from the token,
 socket connecting to one is a CURVE client of it. Only a process that knows the token can
 compute the server's public key, so a stray process cannot even finish the ZMTP handshake:
 it can neither join nor inject anything, and traffic between nodes is encrypted. IPC
-sockets (one node, in a private 0700 directory) stay plain, and without a token nothing
-changes. torch.distributed's store (MoE rendezvous) is outside ZMQ and not covered.
+sockets (one node, in a private 0700 directory) stay plain. torch.distributed's store (MoE
+rendezvous) is outside ZMQ and not covered.
+
+Without a configured token, a cluster that spans nodes still gets one, drawn for the run:
+``serve``'s head draws it and hands it to each node the handshake accepts (``NodeAccepted``);
+``up``'s driver draws it and passes it to the actors. Every socket but the handshake is
+then keyed as above, so a process that did not join cannot feed the coordinator stats or
+waves. The handshake itself stays open (anyone who reaches it could register a node whose
+ranks are free): the configured token is what closes it.
 """
 
 from __future__ import annotations

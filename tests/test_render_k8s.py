@@ -102,7 +102,8 @@ def test_pods_are_unprivileged_and_secrets_stay_out_of_the_config_map(tmp_path, 
     with a read-only root, no capabilities and no service-account token; --network-policy keeps
     the cluster's ports to the group and leaves HTTP and KV events open."""
     path = tmp_path / "lws.yaml"
-    path.write_text(f"engine: {{model: {tiny_qwen3}, kv_events: {{enable_kv_cache_events: true}}}}\n"
+    events = "{enable_kv_cache_events: true, endpoint: 'tcp://*:5557'}"  # bound beyond loopback: for the indexer
+    path.write_text(f"engine: {{model: {tiny_qwen3}, kv_events: {events}}}\n"
                     "api: {api_key: sk-the-api-key}\n"
                     "data_parallel: {size: 4, size_local: 2, cluster_token: a-token-of-thirty-two-characters}\n")
     docs = _documents(str(path), network_policy=True)

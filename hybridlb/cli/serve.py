@@ -107,7 +107,7 @@ def serve(
     parallel: dict[str, Any] | None = None,
 ):
     """Serve the OpenAI API from this node: its engines and API servers, no Ray (see SERVE_HELP)."""
-    from hybridlb.launch.node import serve as serve_node
+    from hybridlb.launch.serve_node import serve as serve_node
 
     layout = parallel_overrides(parallel)
     layout["data_parallel"].update(cluster_token=cluster_token, restart_policy=restart_policy)

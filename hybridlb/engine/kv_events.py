@@ -13,15 +13,21 @@ pod holds which blocks. The format is vLLM's (``--kv-events-config``):
   Fixed-length arrays suit every llm-d decoder (the older one needs exactly these fields);
 * a replay ROUTER socket (``replay_endpoint``) answers ``[identity, b"", start_seq]`` with
   each buffered message from ``start_seq`` on, ``[identity, b"", seq, payload]``, then
-  ``[identity, b"", 0xFF * 8, b""]``.
+  ``[identity, b"", 0xFF * 8, b""]``. A thread of its own serves it, at most
+  ``REPLAYS_PER_S`` requests a second, so a replay (up to ``buffer_steps`` messages) never
+  delays a step and a flood of requests costs the engine one core's sliver, not its loop.
 
-Each data-parallel rank publishes on the configured port plus its rank.
+Each data-parallel rank publishes on the configured port plus its rank. With no endpoint
+configured the PUB binds loopback (``DEFAULT_ENDPOINT``), not every interface as vLLM's
+default does: events carry prompt token ids. They are for llm-d's indexer, which speaks
+plain ZMQ, so the cluster token's CURVE keys do not apply to them (docs/protocol.md).
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import threading
 import time
 from collections import deque
 
@@ -34,6 +40,8 @@ from hybridlb.engine.block_manager import Removed, Stored
 log = logging.getLogger(__name__)
 END_OF_REPLAY = b"\xff" * 8
 REQUEST_LIMIT = 4096  # bytes: the largest frame a subscriber or a replay client may send (ZMQ_MAXMSGSIZE)
+DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"  # bound: loopback unless an endpoint is configured
+REPLAYS_PER_S = 4.0  # replay requests served per second, at most (others wait in the ROUTER's queue)
 
 
 class BlockStored(msgspec.Struct, array_like=True, tag=True):
@@ -101,19 +109,25 @@ class KVEventPublisher:
         self.rank, self.block_size, self.medium = rank, block_size, medium
         self.seq = 0
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
+        self.lock = threading.Lock()  # the buffer: appended by the engine loop, read by the replay thread
+        self.closing = threading.Event()
+        self.replayer: threading.Thread | None = None
         self.encoder = msgspec.msgpack.Encoder()
-        self.endpoint = rank_endpoint(config.endpoint, rank)
+        self.endpoint = rank_endpoint(config.endpoint or DEFAULT_ENDPOINT, rank)
         self.socket = context.socket(zmq.PUB)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.set_hwm(config.hwm)
         self.socket.setsockopt(zmq.MAXMSGSIZE, REQUEST_LIMIT)  # what a PUB takes in: subscriptions
-        (self.socket.bind if _binds(self.endpoint) else self.socket.connect)(self.endpoint)
-        self.replay = None
+        binds = config.endpoint is None or _binds(self.endpoint)
+        (self.socket.bind if binds else self.socket.connect)(self.endpoint)
         if config.replay_endpoint:
-            self.replay = context.socket(zmq.ROUTER)
-            self.replay.setsockopt(zmq.LINGER, 0)
-            self.replay.setsockopt(zmq.MAXMSGSIZE, REQUEST_LIMIT)  # a replay request is an 8-byte number
-            self.replay.bind(rank_endpoint(config.replay_endpoint, rank))
+            replay = context.socket(zmq.ROUTER)
+            replay.setsockopt(zmq.LINGER, 0)
+            replay.setsockopt(zmq.MAXMSGSIZE, REQUEST_LIMIT)  # a replay request is an 8-byte number
+            replay.bind(rank_endpoint(config.replay_endpoint, rank))
+            self.replayer = threading.Thread(target=self._serve_replays, args=(replay,), name="kv-events-replay",
+                                             daemon=True)
+            self.replayer.start()
         log.info("engine %d publishes KV-cache events on %s (topic %r)", rank, self.endpoint, config.topic)
 
     def publish(self, events: list[Stored | Removed]) -> None:
@@ -124,19 +138,36 @@ class KVEventPublisher:
         payload = self.encoder.encode(batch)
         seq = self.seq.to_bytes(8, "big")
         self.seq += 1
-        self.buffer.append((self.seq - 1, payload))
+        with self.lock:
+            self.buffer.append((self.seq - 1, payload))
         # PUB never blocks: past a subscriber's high-water mark it drops that subscriber's copy.
         self.socket.send_multipart((self.topic, seq, payload))
 
-    def serve_replay(self) -> None:
-        """Answer pending replay requests (called from the engine's loop, never blocks)."""
-        while self.replay is not None and self.replay.poll(0):
-            frames = self.replay.recv_multipart()
-            if len(frames) != 3 or len(frames[2]) != 8:
-                log.warning("dropped a malformed KV-event replay request (%d frames)", len(frames))
-                continue
-            identity, start = frames[0], int.from_bytes(frames[2], "big")
-            for seq, payload in self.buffer:
-                if seq >= start:
-                    self.replay.send_multipart((identity, b"", seq.to_bytes(8, "big"), payload))
-            self.replay.send_multipart((identity, b"", END_OF_REPLAY, b""))
+    def _serve_replays(self, replay: zmq.Socket) -> None:
+        """The replay thread: answer each request from the buffer as it is now, at most
+        ``REPLAYS_PER_S`` a second, until ``close``."""
+        next_at = 0.0
+        try:
+            while not self.closing.is_set():
+                if not replay.poll(200):
+                    continue
+                frames = replay.recv_multipart()
+                if len(frames) != 3 or len(frames[2]) != 8:
+                    log.warning("dropped a malformed KV-event replay request (%d frames)", len(frames))
+                    continue
+                time.sleep(max(0.0, next_at - time.monotonic()))
+                next_at = time.monotonic() + 1 / REPLAYS_PER_S
+                identity, start = frames[0], int.from_bytes(frames[2], "big")
+                with self.lock:
+                    buffered = [(seq, payload) for seq, payload in self.buffer if seq >= start]
+                for seq, payload in buffered:
+                    replay.send_multipart((identity, b"", seq.to_bytes(8, "big"), payload))
+                replay.send_multipart((identity, b"", END_OF_REPLAY, b""))
+        finally:
+            replay.close(linger=0)
+
+    def close(self) -> None:
+        """Stop the replay thread (before the engine destroys the ZMQ context it shares)."""
+        self.closing.set()
+        if self.replayer is not None:
+            self.replayer.join(timeout=2)

@@ -136,6 +136,8 @@ class EngineShell:
             with contextlib.suppress(zmq.Again):  # an I/O thread that died reads no more
                 self.outbox.send_multipart([b"", b""], zmq.NOBLOCK)
             self.io.join(timeout=2)
+            if self.kv_events is not None:
+                self.kv_events.close()
             self.context.destroy(linger=0)
             if self.cores is not None:
                 self.cores.close()
@@ -255,10 +257,8 @@ class EngineShell:
     def _cache_events(self) -> list[int]:
         """Publish this step's KV-cache events (if configured); return the evicted hashes."""
         events = self.core.take_cache_events()
-        if self.kv_events is not None:
-            if events:
-                self.kv_events.publish(events)
-            self.kv_events.serve_replay()
+        if self.kv_events is not None and events:
+            self.kv_events.publish(events)
         return [event.block_hash for event in events if isinstance(event, Removed)]
 
     def _stats_if_changed(self, fresh: bool = False) -> EngineStats | None:

@@ -217,7 +217,13 @@ def check(constraint: Constraint, options: StructuredOutputsConfig) -> None:
         return
     import llguidance
 
-    error = llguidance.LLMatcher.validate_grammar(llguidance_grammar(constraint, options))
+    try:
+        grammar = llguidance_grammar(constraint, options)
+    except GrammarError:
+        raise
+    except Exception as exc:  # a schema it cannot apply its options to (e.g. `false`), a bad tag, ...
+        raise GrammarError(constraint.kind, str(exc)) from None
+    error = llguidance.LLMatcher.validate_grammar(grammar)
     if error:
         raise GrammarError(constraint.kind, error)
 

@@ -46,6 +46,8 @@ REFUSAL_LOG_S = 10.0
 HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 HEAD_SILENCE_S = 5.0
+REJOIN_INTERVAL_S = 2.0  # a node that lost the head registers again this often until one answers
+HEAD_START_S = 900.0  # how long a returned head may take to bring its own ranks up (the barrier)
 
 
 class ClusterError(RuntimeError):
@@ -88,8 +90,8 @@ class HeadHandshake(threading.Thread):
         self.last_refusal_log = 0.0
         self.router.bind(address)
         if not own.token and dp.address not in ("127.0.0.1", "localhost", "::1"):
-            log.warning("no cluster token: any host that reaches %s:%d can join; set --cluster-token",
-                        dp.address, dp.rpc_port)
+            log.warning("no cluster token: any host that reaches %s:%d can join the cluster (and learn the key "
+                        "its other sockets use for this run); set --cluster-token", dp.address, dp.rpc_port)
         self.nodes: dict[bytes, RegisterNode] = {}
         self.ready_ranks: set[int] = set()
         self.engine_addresses: dict[int, str] = {}
@@ -253,6 +255,7 @@ class NodeLink:
         self.socket.connect(self.head)
         self.last_heard = time.monotonic()
         self.lost: str | None = None
+        self.registration: RegisterNode | None = None
         self._watcher: threading.Thread | None = None
 
     def _recv(self, timeout_s: float):
@@ -272,6 +275,7 @@ class NodeLink:
         return None
 
     def join(self, registration: RegisterNode, timeout_s: float = 120) -> NodeAccepted:
+        self.registration = registration
         self.socket.send(encoder.encode(registration))
         self.last_heard = time.monotonic() + timeout_s  # the head may not be up yet
         deadline, reply = self.last_heard, None
@@ -297,8 +301,12 @@ class NodeLink:
                 return message
         raise ClusterError(f"the cluster was not ready within {timeout_s:.0f} s (some node never came up)")
 
-    def watch(self, on_lost) -> None:
-        """From now on, call ``on_lost(reason)`` once if the head goes quiet or stops."""
+    def watch(self, on_lost, on_back=None) -> None:
+        """From now on, call ``on_lost(reason)`` when the head goes quiet or stops. Without
+        ``on_back`` that ends the watch. With it, register again every ``REJOIN_INTERVAL_S``
+        until a head answers (the same one once a cut link heals, or a restarted one), then
+        call ``on_back(accepted)``: if it returns true, report ready again, wait for the
+        cluster's barrier and watch on; if false, stop here."""
 
         def loop() -> None:
             while True:
@@ -307,7 +315,9 @@ class NodeLink:
                 except ClusterError as exc:
                     self.lost = str(exc)
                     on_lost(self.lost)
-                    return
+                    if on_back is None or not self._rejoin(on_back):
+                        return
+                    self.lost = None
                 except zmq.ZMQError:  # closed by this node's own shutdown
                     return
                 except Exception:  # a bug handling one message: say so, keep watching
@@ -315,6 +325,27 @@ class NodeLink:
 
         self._watcher = threading.Thread(target=loop, name="hybridlb-head-watch", daemon=True)
         self._watcher.start()
+
+    def _rejoin(self, on_back) -> bool:
+        """Register again until a head takes this node (see ``watch``); whether it rejoined."""
+        said = None
+        while True:
+            time.sleep(REJOIN_INTERVAL_S)
+            try:
+                accepted = self.join(self.registration, REJOIN_INTERVAL_S)
+            except ClusterError as exc:  # no head yet, or it refuses us (once: it may still hold our old link)
+                if str(exc) != said and not str(exc).startswith("no answer"):
+                    log.warning("%s; registering again every %.0f s", exc, REJOIN_INTERVAL_S)
+                said = str(exc)
+                continue
+            if not on_back(accepted):
+                return False
+            try:
+                self.wait_cluster_ready(self.registration.start_rank, HEAD_START_S)
+            except ClusterError as exc:
+                log.warning("the head took this node back but the cluster did not come up: %s; trying again", exc)
+                continue
+            return True
 
     def close(self) -> None:
         self.context.destroy(linger=0)

@@ -279,7 +279,7 @@ def _network_policy(config: Config, plan: ClusterPlan, name: str) -> dict:
     open_ports = [{"protocol": "TCP", "port": port} for _, port in _serving_ports(config, plan)]
     if plan.mode == "multi_port":
         open_ports.append({"protocol": "TCP", "port": config.lb.supervisor_port})
-    endpoint = config.engine.kv_events.endpoint if _publishes_kv_events(config) else ""
+    endpoint = (config.engine.kv_events.endpoint or "") if _publishes_kv_events(config) else ""
     if endpoint.startswith("tcp://*:"):  # KV events for llm-d's indexer, outside the group: rank r on port + r
         first = int(endpoint.rsplit(":", 1)[1])
         open_ports.append({"protocol": "TCP", "port": first, "endPort": first + plan.size - 1})

@@ -37,6 +37,7 @@ import functools
 import logging
 import multiprocessing
 import os
+import secrets
 import shutil
 import signal
 import time
@@ -96,6 +97,7 @@ class Node:
         self.started = False
         self.stopping = False
         self.exit_reason: str | None = None
+        self.restart_anew: str | None = None  # why this node must stop and start again from scratch
 
     @property
     def joins_cluster(self) -> bool:
@@ -177,6 +179,11 @@ class Node:
                 coordinator_loads=f"{ipc}-loads" if plan.coordinator else None,
                 coordinator_waves=f"{ipc}-waves" if plan.lockstep else None)
         if self.node.is_head:
+            if self.joins_cluster and self.token is None:
+                # No cluster token: draw one for this run, so that only the nodes the handshake
+                # accepts (they get it in NodeAccepted) can reach the cluster's sockets.
+                self.token = secrets.token_urlsafe(32)
+                shared = msgspec.structs.replace(shared, session_key=self.token)
             if plan.coordinator:
                 self.coordinator_args = (shared.coordinator_stats, shared.coordinator_loads, plan.size,
                                          shared.coordinator_waves, self.token)
@@ -192,9 +199,11 @@ class Node:
         addresses = {rank: self.engine_address(rank) for rank in self.node.ranks}
         own = registration(self.config, self.node.start_rank, len(self.node.ranks), addresses)
         try:
-            return self.link.join(own)
+            shared = self.link.join(own)
         except ClusterError as exc:
             raise NodeStartError(str(exc)) from None
+        self.token = self.token or shared.session_key or None
+        return shared
 
     def _start_coordinator(self) -> None:
         self.coordinator = _spawn.Process(target=run_coordinator, args=self.coordinator_args,
@@ -216,7 +225,8 @@ class Node:
                 ready = self.link.wait_cluster_ready(self.node.start_rank, timeout_s)
             except ClusterError as exc:
                 raise NodeStartError(str(exc)) from None
-            self.link.watch(self._lost_head)
+            independent = not (self.plan.lockstep or self.plan.remote_engines)  # dense hybrid: rejoins
+            self.link.watch(self._lost_head, self._head_back if independent else None)
             return {**ready.engine_addresses, **local}
         return local
 
@@ -257,6 +267,23 @@ class Node:
             self.stopping = True
         else:
             log.error("%s; this node's ranks are independent and keep serving", reason)
+
+    def _head_back(self, accepted: NodeAccepted) -> bool:
+        """A head answers again (a healed link, or a restarted head): whether this node can
+        rejoin as it runs. A restarted head without a cluster token drew a new key for the
+        cluster's sockets, which this node's processes do not have: then the node restarts
+        them all (``restart_anew``) and registers again from scratch."""
+        if self.stopping:
+            return False
+        if (accepted.session_key or None) == self.token or cluster_token(self.config.data_parallel.cluster_token):
+            log.warning("the head answers again: rejoining the cluster with ranks %s", self.node.ranks)
+            return True
+        self.restart_anew = ("the head restarted and drew a new key for the cluster's sockets; restarting this "
+                             "node's processes to take it (with a cluster token, nodes rejoin a restarted head "
+                             "without restarting)")
+        log.warning("%s", self.restart_anew)
+        self.stopping = True
+        return False
 
     def wait(self) -> int:
         """Block until asked to stop or the node can no longer serve; return the exit code."""
@@ -361,45 +388,3 @@ class Node:
         if self.supervisor is not None:
             self.supervisor.stop()
         shutil.rmtree(self.runtime_dir, ignore_errors=True)
-
-
-def _ready_line(node: NodePlan) -> str:
-    ranks = f"rank{'s' if len(node.ranks) > 1 else ''} {node.ranks[0]}" + (
-        f"..{node.ranks[-1]}" if len(node.ranks) > 1 else "")
-    if node.headless:
-        return f"node {node.index} (headless) is up with {ranks}"
-    urls = sorted({f"http://{a.host}:{a.port}/v1" for a in node.api_servers})
-    supervisor = "" if node.supervisor_port is None else \
-        f"; its supervisor answers at http://{node.api_servers[0].host}:{node.supervisor_port}/readyz"
-    return f"node {node.index} serves {ranks} at {', '.join(urls)}{supervisor}"
-
-
-def serve(config: Config, plan: ClusterPlan, node: NodePlan) -> int:
-    """Run this node until SIGTERM / Ctrl-C; return the process exit code. A signal while it
-    starts stops what started so far; a second one kills it all at once."""
-    lifecycle.set_title("hybridlb:serve")
-    lifecycle.configure_logging(f"hybridlb:serve:{node.index}")
-    runner = Node(config, plan, node)
-    signals = lifecycle.StopSignals(f"node {node.index} (its engines, API servers and coordinator)", runner.kill,
-                                    on_stop=runner.request_stop)
-    try:
-        runner.start()
-        signals.starting = False
-        simulated = ", SIMULATED engines: no model runs" if config.engine.simulate is not None else ""
-        print(f"hybridlb is ready: {_ready_line(node)} (model {config.served_model_name!r}{simulated})", flush=True)
-        code = runner.wait()
-        if runner.exit_reason:
-            log.error("%s", runner.exit_reason)
-        return code
-    except lifecycle.Interrupted as exc:
-        log.info("%s: nothing served", exc)
-        return 1
-    except NodeStartError as exc:
-        if signals.requested:  # a start-up wait that gave up because of the stop
-            log.info("stopped while starting")
-            return 1
-        log.error("%s", exc)
-        return 1
-    finally:
-        signals.starting = False
-        runner.stop()

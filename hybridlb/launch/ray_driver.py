@@ -16,6 +16,7 @@ import contextlib
 import logging
 import math
 import os
+import secrets
 import signal
 import socket
 import time
@@ -242,8 +243,9 @@ class RayCluster:
         ip, ports = wait_for(free_ports.options(scheduling_strategy=self.placement.on(0)).remote(4, self.host), 60,
                              self.check)
         if self.host is None and not self.token:
-            log.warning("no cluster token: the coordinator listens on %s, beyond loopback, and any host that "
-                        "reaches it can inject load stats; set data_parallel.cluster_token", ip)
+            # Beyond loopback with no cluster token: draw one for this run. The actors get it from
+            # this driver through Ray, so only they can reach the coordinator's and engines' sockets.
+            self.token = secrets.token_urlsafe(32)
         options = self._options("coordinator", num_cpus=0, max_restarts=self.restarts)
         self.coordinator = CoordinatorActor.options(**options).remote(self.name, self.plan.size, self.plan.lockstep,
                                                                  ip, ports, self.token)

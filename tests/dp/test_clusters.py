@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import time
 
@@ -244,6 +245,45 @@ def test_a_restarted_worker_rejoins_the_running_head(tiny_qwen3):
             assert completion(head.url, head.model)["choices"][0]["text"]  # the head served on throughout
         finally:
             again.stop()
+    finally:
+        head.stop()
+        worker.stop()
+
+
+def _until(check, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while not (result := check()):
+        assert time.monotonic() < deadline, what
+        time.sleep(0.3)
+    return result
+
+
+@pytest.mark.parametrize("token", [(), ("--cluster-token", "rejoin-test-token-0123456789")], ids=["no-token", "token"])
+def test_a_restarted_head_is_rejoined_by_the_running_node(tiny_qwen3, token):
+    """The head crashes (SIGKILL) and comes back with the same flags: the dense node that kept
+    serving registers again, so the new head's barrier completes and every rank reports to
+    its coordinator. With a cluster token the node rejoins as it runs; without one the new
+    head drew a new key for the cluster's sockets, so the node restarts its processes."""
+    rpc = free_port_range(8)
+    head = Server(tiny_qwen3, *_dp_flags(4, 2, 0, rpc), *token)
+    worker = Server(tiny_qwen3, *_dp_flags(4, 2, 2, rpc), *token)
+    start_servers(head, worker)
+    try:
+        children = head.children().values()
+        head.process.kill()
+        head.process.wait()
+        _until(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in children), 30,
+               "the dead head's children live on")
+        assert completion(worker.url, worker.model)["usage"]["completion_tokens"] == 4  # serving on alone
+        head = start_servers(Server(tiny_qwen3, *_dp_flags(4, 2, 0, rpc), *token, port=head.port))[0]
+        _until(lambda: {s["rank"] for s in httpx.get(f"{head.url}/ranks").json()["cluster"] or []} == {0, 1, 2, 3},
+               30, "the node's ranks never reported to the new coordinator")
+        _until(lambda: httpx.get(f"{worker.url}/health").json()["status"] == "ok", 30,
+               "the node still misses the coordinator")
+        for node in (head, worker):
+            assert completion(node.url, node.model)["usage"]["completion_tokens"] == 4
+        assert worker.process.poll() is None
+        assert ("restarting this node's processes" in worker.output) == (not token), worker.output
     finally:
         head.stop()
         worker.stop()

@@ -2,12 +2,14 @@
 
 Whatever arrives — random JSON, wrong types, huge numbers, bad unicode, extra fields,
 the wrong content type — the answer is a 2xx or a 4xx with an OpenAI error body, never
-a 5xx and never a hang; afterwards the server still generates.
+a 5xx and never a hang; every field `/openapi.json` lists is tried, and after each case
+nothing stays in flight; afterwards the server still generates.
 """
 
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -121,7 +123,57 @@ def post(client: httpx.Client, endpoint: str, content: bytes, content_type: str 
         assert response.text.rstrip().endswith("data: [DONE]"), response.text
 
 
+def nothing_in_flight(client: httpx.Client) -> None:
+    """Every request the server took has let go of its engine (released on every exit path)."""
+    deadline = time.monotonic() + 5
+    while counts := [e["in_flight_here"] for e in client.get("/ranks").json()["engines"] if e["in_flight_here"]]:
+        assert time.monotonic() < deadline, f"left in flight: {counts}"
+        time.sleep(0.05)
+
+
+def by_schema(schema: dict, components: dict) -> st.SearchStrategy:
+    """Values of about the type a property's JSON schema gives (``anyOf`` each way), or anything."""
+    if "$ref" in schema:
+        return by_schema(components[schema["$ref"].rsplit("/", 1)[1]], components) | json_values
+    if "anyOf" in schema:
+        return st.one_of([by_schema(option, components) for option in schema["anyOf"]])
+    kind = schema.get("type")
+    if kind == "array":
+        return st.lists(by_schema(schema.get("items", {}), components), max_size=3)
+    if kind == "object":
+        values = schema.get("additionalProperties")
+        return st.dictionaries(texts | ints.map(str), by_schema(values, components) if isinstance(values, dict)
+                               else json_values, max_size=3)
+    return {"integer": ints, "number": floats | ints, "boolean": st.booleans(), "string": texts,
+            "null": st.none()}.get(kind, json_values)
+
+
+@pytest.fixture(scope="module")
+def documented(client) -> dict[str, dict[str, st.SearchStrategy]]:
+    """endpoint → every request field `/openapi.json` lists → a strategy for its values."""
+    spec = client.get("/openapi.json").json()
+    components = spec["components"]["schemas"]
+    fields = {}
+    for endpoint in ENDPOINTS:
+        ref = spec["paths"][endpoint]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        properties = components[ref.rsplit("/", 1)[1]]["properties"]
+        fields[endpoint] = {name: FIELDS.get(name, st.nothing()) | by_schema(prop, components)
+                            for name, prop in properties.items()}
+    return fields
+
+
 # -- the fuzzing ----------------------------------------------------------------------------
+@pytest.mark.parametrize("endpoint", ENDPOINTS)
+@settings(FUZZ, max_examples=250)
+@given(data=st.data())
+def test_every_documented_field_leaves_nothing_in_flight(server, client, documented, endpoint, data):
+    """Each case sets one or two fields of the schema to values of about their type (a
+    tools list, logit_bias keys up to 2**70, chat_template_kwargs, ...) and streams or not."""
+    names = data.draw(st.lists(st.sampled_from(sorted(documented[endpoint])), min_size=1, max_size=2, unique=True))
+    body = {**_base(server.model, endpoint), **{name: data.draw(documented[endpoint][name]) for name in names}}
+    post(client, endpoint, _encode(body), "application/json")
+    nothing_in_flight(client)
+
 @pytest.mark.parametrize("endpoint", ENDPOINTS)
 @settings(FUZZ, max_examples=100)
 @given(data=st.data())

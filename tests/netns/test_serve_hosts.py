@@ -6,6 +6,7 @@ layout: hybrid, internal LB with headless workers, external LB, MoE with expert 
 from __future__ import annotations
 
 import functools
+import sys
 import time
 
 import httpx
@@ -83,12 +84,42 @@ def stop_all(*servers: Server) -> None:
     assert codes == [0] * len(servers), [s.output[-2000:] for s in servers]
 
 
+# Run on a host that is not part of the cluster: push forged stats to the head's coordinator
+# and listen for its load snapshots.
+FORGER = """
+import sys, time, zmq
+from hybridlb.protocol import EngineStats, encoder
+context = zmq.Context()
+push = context.socket(zmq.PUSH)
+push.connect(sys.argv[1])
+sub = context.socket(zmq.SUB)
+sub.setsockopt(zmq.SUBSCRIBE, b"")
+sub.connect(sys.argv[2])
+fake = EngineStats(rank=0, num_running=999, num_waiting=999, kv_usage=1.0, seq=10**9, epoch=10**19)
+for _ in range(20):
+    try:
+        push.send(encoder.encode(fake), zmq.NOBLOCK)
+    except zmq.Again:
+        pass
+    time.sleep(0.1)
+print("snapshots received:", bool(sub.poll(1500)))
+context.destroy(linger=0)
+"""
+
+
 def test_hybrid_each_host_serves_its_own_ranks(network, tiny_qwen3):
-    a, b = network.hosts[:2]
+    """Without a cluster token, too: a process on a third host cannot feed the coordinator
+    forged stats or read its snapshots (the nodes share a key drawn for the run)."""
+    a, b, c = network.hosts
     head, worker = two_nodes(network, tiny_qwen3, 29500, layout="hybrid, 2 hosts x 2 ranks")
     try:
         for server, ranks in ((head, [0, 1]), (worker, [2, 3])):
             assert httpx.get(f"{server.url}/ranks", timeout=10).json()["ranks"] == ranks
+        forger = network.run(c, [sys.executable, "-c", FORGER, f"tcp://{a.address}:29501", f"tcp://{a.address}:29502"])
+        assert "snapshots received: False" in forger.stdout, forger.stdout + forger.stderr
+        for server in (head, worker):
+            cluster = httpx.get(f"{server.url}/ranks", timeout=10).json()["cluster"]
+            assert {s["rank"] for s in cluster} == {0, 1, 2, 3} and all(s["num_running"] != 999 for s in cluster)
         assert texts(head.url, tiny_qwen3) == texts(worker.url, tiny_qwen3) == expected(tiny_qwen3)
         assert_binds_only_own_address(network, a, b)
     finally:

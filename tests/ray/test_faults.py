@@ -1,23 +1,28 @@
-"""kill -9 of a coordinator, an API server or a whole node of a `hybridlb up` cluster.
+"""kill -9 of a coordinator, an API server, an engine or a whole node of a `hybridlb up` cluster.
 
 The shared three-node Ray cluster; each test places its own hybridlb cluster on it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import time
 
 import httpx
+import pytest
 import ray
 from ray.util.state import list_actors
 
 from hybridlb.launch.ray_driver import status
+from tests.conftest import SMOLLM2
 from tests.dp.test_clusters import burst
 from tests.faults.streams import Streams
+from tests.faults.test_migration import _migrated, _run
 from tests.ray.conftest import NODE_RESOURCES
 from tests.ray.test_up import start, three_node_config
+from tests.servers import free_port
 
 
 def _pid(name: str) -> int | None:
@@ -107,3 +112,29 @@ def test_losing_a_ray_node_leaves_the_other_nodes_serving(ray_cluster, tiny_qwen
         cluster.stop()
         ray_cluster.add_node(num_cpus=6, resources={NODE_RESOURCES[2]: 1})
         ray_cluster.wait_for_nodes()
+
+
+@pytest.mark.slow
+def test_a_killed_engines_streams_finish_on_its_sibling_under_up(ray_cluster):
+    """tests/faults/test_migration.py through `hybridlb up`: the real SmolLM2 (float32), one node
+    of two engine actors, kill -9 of engine 0's process while 16 streams (greedy, seeded, some
+    with a JSON schema) run. Every stream completes with the text of the fault-free run."""
+    cluster = start({
+        "engine": {"model": SMOLLM2, "dtype": "float32", "max_model_len": 512, "kv_cache_gib": 0.3,
+                   "torch_threads": 1},
+        "api": {"served_model_name": "smollm2"},
+        "data_parallel": {"size": 2, "rpc_port": free_port(), "nodes": [
+            {"size_local": 2, "api_port": free_port(), "ray_resource": NODE_RESOURCES[0]}]},
+        "ray": {"name": "migrate", "cpus_per_engine": 1, "cpus_per_api_server": 1, "ready_timeout_s": 180},
+    })
+    try:
+        (url,) = ray.get([api.url.remote() for _, api in cluster.apis])
+        clean = asyncio.run(_run(url))
+        engine = _pid("hybridlb:migrate:engine:0")
+        faulty = asyncio.run(_run(url, lambda: os.kill(engine, signal.SIGKILL)))
+        for i, (got, expected) in enumerate(zip(faulty, clean, strict=True)):
+            assert got == expected, (i, got, expected)
+        assert _migrated(url) >= 1
+        assert _health(url)["down_ranks"] == [0]
+    finally:
+        cluster.stop()

@@ -105,3 +105,22 @@ def test_one_node_has_no_coordinator_port_to_forge_stats_on(tiny_qwen3):
         assert completion(server.url, server.model)["usage"]["completion_tokens"] == 4
     finally:
         server.stop()
+
+
+def test_without_a_token_the_nodes_share_a_key_drawn_for_the_run(tiny_qwen3):
+    """Two nodes and no cluster token: the coordinator's ports are TCP, yet a process that did
+    not join through the handshake can neither feed them forged stats nor read the snapshots,
+    while the node that joined reports all its ranks (it got the run's key in NodeAccepted)."""
+    rpc = free_port_range(8)
+    head, worker = start_servers(Server(tiny_qwen3, *_dp_flags(4, 2, 0, rpc)),
+                                 Server(tiny_qwen3, *_dp_flags(4, 2, 2, rpc)))
+    try:
+        _outsiders_cannot_inject_or_listen(head, rpc)
+        deadline = time.monotonic() + 10
+        while {s["rank"] for s in httpx.get(f"{head.url}/ranks").json()["cluster"] or []} != {0, 1, 2, 3}:
+            assert time.monotonic() < deadline, httpx.get(f"{head.url}/ranks").json()
+            time.sleep(0.2)
+        assert completion(worker.url, worker.model)["usage"]["completion_tokens"] == 4
+    finally:
+        head.stop()
+        worker.stop()
