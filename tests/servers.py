@@ -118,9 +118,12 @@ def start_servers(*servers: Server) -> list[Server]:
     try:
         for server in servers:
             server.wait_ready()
-    except BaseException:
+    except BaseException as exc:
         for server in servers:
             server.stop()
+        others = [f"--- {s.url}:\n{s.output[-3000:]}" for s in servers if len(servers) > 1]
+        if others and isinstance(exc, (RuntimeError, TimeoutError)):
+            raise type(exc)(f"{exc}\n" + "\n".join(others)) from None  # every node's side of it
         raise
     return list(servers)
 

@@ -21,6 +21,7 @@ import time
 import uuid
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from hybridlb.checkpoint.path import resolve
 from hybridlb.config import Config
@@ -250,6 +251,7 @@ class NodeLink:
         # One identity for this process's life: after a reconnect the head still knows who we are.
         identity = f"node-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.socket.setsockopt(zmq.IDENTITY, identity.encode())
+        self.keyed = cluster_token(dp.cluster_token) is not None
         connect_securely(self.socket, self.head, cluster_token(dp.cluster_token))
         self.transport = self.socket.get_monitor_socket(HANDSHAKE_FAILED)
         self.socket.connect(self.head)
@@ -280,7 +282,7 @@ class NodeLink:
         self.last_heard = time.monotonic() + timeout_s  # the head may not be up yet
         deadline, reply = self.last_heard, None
         while reply is None and time.monotonic() < deadline:
-            if self.transport.poll(0):
+            if self._refused():
                 raise ClusterError(f"the head node at {self.head} refused this node's secure connection: the "
                                    "cluster token differs from the head's (or only one of them has one); give every "
                                    "node the same --cluster-token / HYBRIDLB_CLUSTER_TOKEN")
@@ -291,6 +293,17 @@ class NodeLink:
             raise ClusterError(f"the head node at {self.head} rejected this node: {reply.reason}")
         self.last_heard = time.monotonic()
         return reply
+
+    def _refused(self) -> bool:
+        """Whether the head refused our secure handshake: with no token of our own, only a
+        protocol error says so (the head speaks CURVE); a handshake cut short with no detail is
+        also what a proxy gives while the head is not listening yet, so it counts only when we
+        have a token (a wrong key looks the same)."""
+        refused = False
+        while self.transport.poll(0):
+            event = parse_monitor_message(self.transport.recv_multipart())["event"]
+            refused |= self.keyed or event != zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+        return refused
 
     def wait_cluster_ready(self, start_rank: int, timeout_s: float) -> ClusterReady:
         self.socket.send(encoder.encode(NodeReady(start_rank)))
