@@ -278,6 +278,9 @@ def test_a_restarted_head_is_rejoined_by_the_running_node(tiny_qwen3, token):
         head = start_servers(Server(tiny_qwen3, *_dp_flags(4, 2, 0, rpc), *token, port=head.port))[0]
         _until(lambda: {s["rank"] for s in httpx.get(f"{head.url}/ranks").json()["cluster"] or []} == {0, 1, 2, 3},
                30, "the node's ranks never reported to the new coordinator")
+        # Without a token the node restarted: its API server is back once it says ready again.
+        _until(lambda: sum("hybridlb is ready" in line for line in worker.lines) == (1 if token else 2), 120,
+               "the node never said it is ready again")
         _until(lambda: httpx.get(f"{worker.url}/health").json()["status"] == "ok", 30,
                "the node still misses the coordinator")
         for node in (head, worker):
