@@ -212,18 +212,18 @@ def llguidance_grammar(constraint: Constraint, options: StructuredOutputsConfig)
 
 def check(constraint: Constraint, options: StructuredOutputsConfig) -> None:
     """Raise GrammarError if ``constraint`` cannot compile (no tokenizer needed)."""
-    if options.backend == "xgrammar":
-        _xgrammar_check(constraint, options)
-        return
-    import llguidance
+    xgr = _xgrammar() if options.backend == "xgrammar" else None
+    try:  # a library's complaint while building, whatever its type (e.g. a schema of `false`): the request's fault
+        if xgr is not None:
+            _xgrammar_grammar(xgr, constraint, options)
+            return
+        import llguidance
 
-    try:
-        grammar = llguidance_grammar(constraint, options)
+        error = llguidance.LLMatcher.validate_grammar(llguidance_grammar(constraint, options))
     except GrammarError:
         raise
-    except Exception as exc:  # a schema it cannot apply its options to (e.g. `false`), a bad tag, ...
+    except Exception as exc:
         raise GrammarError(constraint.kind, str(exc)) from None
-    error = llguidance.LLMatcher.validate_grammar(grammar)
     if error:
         raise GrammarError(constraint.kind, error)
 
@@ -273,16 +273,6 @@ def _xgrammar():
         raise GrammarError("json", "the xgrammar backend is not installed (pip install 'hybridlb[xgrammar]'), "
                                    "or choose the llguidance backend") from None
     return xgrammar
-
-
-def _xgrammar_check(constraint: Constraint, options: StructuredOutputsConfig) -> None:
-    xgr = _xgrammar()
-    try:
-        _xgrammar_grammar(xgr, constraint, options)
-    except GrammarError:
-        raise
-    except Exception as exc:
-        raise GrammarError(constraint.kind, str(exc)) from None
 
 
 def _xgrammar_grammar(xgr, constraint: Constraint, options: StructuredOutputsConfig):
