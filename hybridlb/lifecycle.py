@@ -148,6 +148,13 @@ def tune_allocator() -> None:
     libc.mallopt(_M_TRIM_THRESHOLD, (1 << 31) - 1)
 
 
+def release_freed_memory() -> None:
+    """Hand the heap's free pages back to the OS once (after loading, whose temporaries
+    ``tune_allocator`` would otherwise keep resident for the process's life)."""
+    if sys.platform == "linux":
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 def resident_mib() -> float:
     """This process's resident set size in MiB (0 where /proc is not there to say)."""
     try:

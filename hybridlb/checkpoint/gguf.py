@@ -45,6 +45,12 @@ def reader(path: Path):
         raise CheckpointError(f"{path} is not a readable GGUF file: {exc}") from None
 
 
+def release_readers() -> None:
+    """Drop the parsed files: a 49k-token vocabulary's metadata is ~150 MB of Python objects, which an
+    engine needs only while it loads (a later read parses the file again)."""
+    reader.cache_clear()
+
+
 def _field(path: Path, key: str, default=None):
     field = reader(path).get_field(key)
     return default if field is None else field.contents()
@@ -124,6 +130,33 @@ def dequantized(path: Path, name: str) -> np.ndarray:
     except NotImplementedError:
         raise CheckpointError(f"{path}: tensor {name} has type {tensor.tensor_type.name}, "
                               "which the gguf package cannot dequantize") from None
+
+
+# The 4-bit types whose blocks hold their affine grid in a header: value = scale * code + low, codes 0..15,
+# one block per 32 consecutive values of a row. Q4_0: {f16 d, 16 code bytes}, value d * (code - 8);
+# Q4_1: {f16 d, f16 m, 16 code bytes}, value d * code + m (ggml's block_q4_0 / block_q4_1).
+GRID_TYPES = {"Q4_0": 18, "Q4_1": 20}
+FOUR_BIT_TYPES = {"Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "IQ4_NL", "IQ4_XS"}
+
+
+def tensor_type(path: Path, name: str) -> str:
+    """The GGUF type of a tensor (F32, BF16, Q8_0, Q4_1, Q4_K, ...)."""
+    return reader(path).tensors[tensor_names(path)[name]].tensor_type.name
+
+
+def block_grids(path: Path, name: str) -> tuple[np.ndarray, np.ndarray] | None:
+    """For a Q4_0 / Q4_1 tensor [rows, cols]: each 32-value block's (scale, low) as float32 arrays
+    [rows, cols / 32], read from the block headers (so codes can be recovered exactly); else None."""
+    tensor = reader(path).tensors[tensor_names(path)[name]]
+    size = GRID_TYPES.get(tensor.tensor_type.name)
+    if size is None:
+        return None
+    blocks = np.asarray(tensor.data).reshape(tensor.data.shape[0], -1, size)
+    scale = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)
+    if tensor.tensor_type.name == "Q4_0":
+        return scale, -8 * scale
+    low = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0].astype(np.float32)
+    return scale, low
 
 
 def _byte_alphabet() -> dict[int, str]:

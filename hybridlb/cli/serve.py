@@ -82,6 +82,9 @@ def serve(
         help="KV-cache events as JSON, vLLM's keys, e.g. '{\"enable_kv_cache_events\": true}'.")] = None,
     device: Annotated[str | None, typer.Option(help="cpu or cuda.")] = None,
     dtype: Annotated[str | None, vllm_option(help="auto, float32, bfloat16 or float16.")] = None,
+    quantization: Annotated[str | None, vllm_option(
+        "--quantization", "-q", help="Keep weights quantized (CPU): int8, int4, or gguf (a .gguf file's own "
+        "4-bit blocks).")] = None,
     seed: Annotated[int | None, vllm_option()] = None,
     torch_threads: Annotated[int | None, typer.Option(help="Threads per engine (0: split the cores).")] = None,
     share_cores: Annotated[bool | None, typer.Option(
@@ -114,7 +117,7 @@ def serve(
     layout["lb"]["policy"] = lb_policy
     cfg = build_config(config, model, {
         "engine": dict(max_model_len=max_model_len, max_num_seqs=max_num_seqs, device=device, dtype=dtype,
-                       max_queued_requests=max_queued_requests,
+                       quantization=quantization, max_queued_requests=max_queued_requests,
                        max_num_batched_tokens=max_num_batched_tokens, kv_cache_gib=kv_cache_gib,
                        gpu_memory_utilization=gpu_memory_utilization,
                        block_size=block_size, seed=seed, torch_threads=torch_threads,
@@ -186,6 +189,7 @@ def _engine_summary(cfg) -> str:
     max_len = load_spec(engine.model).model_len(engine.max_model_len)
     return (f"model {cfg.served_model_names}, dtype {dtype}"
             + (" (auto)" if engine.dtype == "auto" else "")
+            + (f", weights {engine.quantization}" if engine.quantization else "")
             + f", max_model_len {max_len}" + ("" if engine.max_model_len else " (the model's)"))
 
 

@@ -28,6 +28,7 @@ LB_SWITCHES = {"--data-parallel-hybrid-lb": "hybrid", "--data-parallel-external-
                "--data-parallel-multi-port-external-lb": "multi_port"}
 DTYPES = {"auto": "auto", "half": "float16", "float16": "float16", "bfloat16": "bfloat16", "float": "float32",
           "float32": "float32"}
+QUANTIZATIONS = ("int8", "int4", "gguf")  # engine.quantization; any other method is vLLM's alone
 LENGTHS = {"--max-model-len", "--max-num-batched-tokens"}
 SIZE_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
 
@@ -61,7 +62,6 @@ UNSUPPORTED = {
     "--pipeline-parallel-size": "pipeline parallelism is not implemented; drop the flag",
     "--data-parallel-backend": "only `mp` here; for Ray use `hybridlb up config.yaml`",
     "--kv-cache-dtype": "the KV cache is kept in the model's dtype; drop the flag",
-    "--quantization": "quantized weights are not implemented (GGUF files are dequantized at load); drop the flag",
     "--speculative-config": "speculative decoding is not implemented; drop the flag",
     "--kv-transfer-config": "disaggregated prefill/decode (KV transfer) is not implemented; drop the flag",
     "--enable-lora": "LoRA adapters are not implemented; drop the flag",
@@ -156,6 +156,14 @@ def translate(args: list[str]) -> tuple[list[str], list[str]]:
                 out += [flag, DTYPES[given]]
             else:
                 problems.append(f"--dtype {given}: use one of {', '.join(DTYPES)}")
+        elif flag == "--quantization":
+            given = cursor.value(inline)
+            if given in QUANTIZATIONS:
+                out += [flag, given]
+            elif given not in ("none", "None"):
+                problems.append(f"--quantization {given}: hybridlb keeps weights quantized as one of "
+                                f"{', '.join(QUANTIZATIONS)} (CPU); serve the unquantized checkpoint with one of them, "
+                                "or drop the flag")
         elif flag in LENGTHS:
             given = cursor.value(inline)
             try:

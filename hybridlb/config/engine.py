@@ -126,6 +126,14 @@ class EngineConfig(_Section):
         "with native bfloat16 matmuls (AMX / AVX512-BF16, as vLLM does), else float32."
     )
     device: Literal["cpu", "cuda"] = Field("cpu", description="Where the model runs.")
+    quantization: Literal["int8", "int4", "gguf"] | None = Field(
+        None, description="Keep the weights quantized in memory and run the matmuls on them (CPU; vLLM's "
+        "--quantization). int8: per-channel int8, quantized at load; int4: 4-bit in groups of 32, quantized at "
+        "load; gguf: a .gguf file's 4-bit tensors (Q4_0, Q4_1 exactly; Q4_K, Q5_*: regrouped) stay 4-bit, other "
+        "types int8. The embedding and output layer are int8 in each. Fewer bytes per token: faster at low "
+        "concurrency, slower at high (see docs/quantization.md). Default: none, a GGUF file is dequantized to "
+        "dtype."
+    )
     max_num_seqs: int = Field(64, ge=1, description="Most requests in one batch (running queue size).")
     max_num_batched_tokens: int = Field(
         2048, ge=16, description="Token budget of one step; longer prompts are prefilled in chunks."
@@ -197,6 +205,21 @@ class EngineConfig(_Section):
         return self
 
     @model_validator(mode="after")
+    def _check_quantization(self) -> EngineConfig:
+        if self.quantization is None:
+            return self
+        if self.device != "cpu":
+            raise ValueError(f"engine.quantization {self.quantization} runs torch's CPU kernels; use device: cpu "
+                             "or drop quantization")
+        if self.dtype == "float16":
+            raise ValueError("engine.quantization needs dtype bfloat16, float32 or auto (torch's CPU weight-only "
+                             "kernels take no float16)")
+        if self.quantization == "gguf" and not _names_gguf(self.model):
+            raise ValueError(f"engine.quantization gguf keeps a .gguf file's weights quantized, but engine.model "
+                             f"{self.model!r} is not a .gguf file; use int8 or int4 to quantize it at load")
+        return self
+
+    @model_validator(mode="after")
     def _check_simulation(self) -> EngineConfig:
         if self.simulate is not None and self.expert_parallel:
             raise ValueError("engine.simulate cannot shard experts (expert_parallel); simulate dense models only")
@@ -219,3 +242,14 @@ def check_kv_cache_fits(num_blocks: int, block_size: int, max_model_len: int) ->
                          "or lower max_model_len")
 
 
+def _names_gguf(model: str) -> bool:
+    """Whether the checkpoint is a GGUF file (a path or package: spec ending in .gguf, or a directory
+    holding one); an unresolvable path passes here and fails where the checkpoint is resolved."""
+    from hybridlb.checkpoint.path import CheckpointError, resolve
+
+    if model.endswith(".gguf"):
+        return True
+    try:
+        return resolve(model).is_gguf
+    except CheckpointError:
+        return True

@@ -44,10 +44,10 @@ class EngineCore:
         self.config = config
         self.dp = dp or DPContext()
         self.rank = self.dp.rank
+        self.eos_token_ids = set(read_eos_token_ids(config.model))  # before the runner, which drops the parsed file
         self.runner = runner or _load_runner(config, self.dp)
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.spec.vocab_size
-        self.eos_token_ids = set(read_eos_token_ids(config.model))
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.prefix_caching,
                                    hash_seed(config.model))
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.blocks)

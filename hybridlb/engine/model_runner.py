@@ -6,6 +6,8 @@ import logging
 
 import torch
 
+from hybridlb import lifecycle
+from hybridlb.checkpoint.gguf import release_readers
 from hybridlb.checkpoint.spec import load_spec
 from hybridlb.config import EngineConfig
 from hybridlb.engine import kv_cache
@@ -66,19 +68,23 @@ class ModelRunner:
             group, meta_group = init_group(dp.rendezvous, dp.rank, dp.size, self.device, config.dp_timeout_s,
                                            dp.address)
             self.ep = ExpertParallel(dp.rank, dp.size, self.device, group, meta_group, config.async_dp_coordination)
+        self.quantization = config.quantization
         self.model = load_model(config.model, self.spec, self.dtype, self.device, self.max_model_len, experts,
-                                self.ep)
+                                self.ep, config.quantization)
         fits = kernels.fit(self.device, self.dtype, self.spec.num_heads // self.spec.num_kv_heads,
                            self.spec.head_dim, self.block_size)
         self.kernels = kernels.load() if fits else None
         if self.kernels is not None:
             self.model.use_cpu_kernels(self.kernels, pack_linears=self.dtype == torch.bfloat16)
+        release_readers()
+        lifecycle.release_freed_memory()  # loading's and packing's temporaries, the parsed checkpoint
         self.num_blocks = kv_cache.num_blocks(config, self.spec, self.max_model_len, self._gpu_budget(config))
         self._allocate_cache()
         self.sampler = Sampler(self.device, config.seed)
 
     def label(self) -> str:
-        return f"{self.spec.architecture} in {str(self.dtype).removeprefix('torch.')} on {self.device}"
+        weights = f", weights {self.quantization}" if self.quantization else ""
+        return f"{self.spec.architecture} in {str(self.dtype).removeprefix('torch.')}{weights} on {self.device}"
 
     def generator(self, seed: int) -> torch.Generator:
         """A per-request sampling generator."""

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hybridlb.checkpoint.gguf import dequantized, gguf_config, tensor_names
+from hybridlb.checkpoint.gguf import block_grids, dequantized, gguf_config, tensor_names, tensor_type
 from hybridlb.checkpoint.path import CheckpointError
 
 LAYER_TENSORS = {
@@ -78,6 +78,25 @@ class GGUFTensorReader:
         if self.permute and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
             tensor = _unpermute(tensor, self.heads if "attn_q" in gguf_name else self.kv_heads)
         return tensor
+
+
+    def tensor_type(self, name: str) -> str | None:
+        """The GGUF type the tensor is stored as (Q4_1, Q8_0, F32, ...); None if absent."""
+        gguf_name = self.names.get(name)
+        return None if gguf_name is None else tensor_type(self.path, gguf_name)
+
+    def grid(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A Q4_0 / Q4_1 tensor's per-block (scale, low) [rows, cols / 32], rows in the order ``read``
+        returns them; None for other types."""
+        gguf_name = self.names.get(name)
+        grids = None if gguf_name is None else block_grids(self.path, gguf_name)
+        if grids is None:
+            return None
+        scale, low = (torch.from_numpy(part) for part in grids)
+        if self.permute and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = self.heads if "attn_q" in gguf_name else self.kv_heads
+            scale, low = _unpermute(scale, heads), _unpermute(low, heads)
+        return scale, low
 
 
 _HF_GLOBAL = {hf: name for name, hf in GLOBAL_TENSORS.items()}

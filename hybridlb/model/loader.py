@@ -15,10 +15,12 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from hybridlb.checkpoint.path import CheckpointError, resolve
 from hybridlb.checkpoint.spec import ModelSpec
 from hybridlb.model.layers import ExpertDispatch, RotaryEmbedding
+from hybridlb.model.quantized import Int8Embedding, int8_rows, quantized_linear
 from hybridlb.model.transformer import CausalLM
 
 
@@ -141,6 +143,13 @@ class SafetensorsReader:
             raise CheckpointError(f"{file}: tensor {name} has shape {list(got)}, expected {list(shape)}")
         return handle.get_tensor(name)
 
+    def tensor_type(self, name: str) -> None:
+        """Safetensors tensors are plain floats (no GGUF type; see GGUFTensorReader)."""
+        return None
+
+    def grid(self, name: str) -> None:
+        return None
+
 
 def build(reader, source: Source) -> torch.Tensor:
     """The parameter ``source`` describes, from a reader's tensors (see Source)."""
@@ -162,12 +171,16 @@ def tensor_reader(model: str | Path):
 
 
 def load_model(model: str | Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
-               max_positions: int, experts: range | None = None, dispatch: ExpertDispatch | None = None) -> CausalLM:
+               max_positions: int, experts: range | None = None, dispatch: ExpertDispatch | None = None,
+               quantization: str | None = None) -> CausalLM:
     """Build CausalLM on ``device`` and fill every parameter from the checkpoint (``experts`` and
-    ``dispatch``: see CausalLM)."""
+    ``dispatch``: see CausalLM). ``quantization`` (int8, int4, gguf): keep the projections and the
+    embedding quantized (``hybridlb.model.quantized``); their dense weights are never written, so they
+    never take memory."""
     with torch.device("meta"):
-        lm = CausalLM(spec, max_positions, experts, dispatch)
-    lm = lm.to_empty(device=device).to(dtype)
+        lm = CausalLM(spec, max_positions, experts, dispatch).to(dtype)
+    # Allocated, not written: a weight kept quantized is never touched, so it never takes memory.
+    lm = lm.to_empty(device=device)
     # to_empty materialises each module's parameters separately, which unties a tied lm_head.
     lm.tie_weights()
     for module in lm.modules():
@@ -175,7 +188,38 @@ def load_model(model: str | Path, spec: ModelSpec, dtype: torch.dtype, device: t
             module.reset()
     layout = checkpoint_layout(spec, experts)
     reader = tensor_reader(model)
+    targets = quantization_targets(lm) if quantization else {}
+    kept_quantized = {f"{name}.weight" for name in targets} | ({"embed.weight"} if targets else set())
     with torch.no_grad():
         for name, param in lm.named_parameters():
-            param.copy_(build(reader, layout[name]))
+            if name not in kept_quantized:
+                param.copy_(build(reader, layout[name]))
+        if targets:
+            _quantize(lm, reader, layout, targets, quantization, dtype)
     return lm.eval()
+
+
+def quantization_targets(lm: CausalLM) -> dict[str, nn.Linear]:
+    """The linear layers a quantized model keeps quantized, by name: attention and dense MLP projections."""
+    return {name: module for name, module in lm.named_modules()
+            if isinstance(module, nn.Linear) and name.endswith((".qkv", ".o", ".gate_up", ".down"))}
+
+
+def _quantize(lm: CausalLM, reader, layout: dict[str, Source], targets: dict[str, nn.Linear], method: str,
+              dtype: torch.dtype) -> None:
+    """Replace each target and the embedding with its quantized form, one tensor at a time."""
+    for name, linear in targets.items():
+        source = layout[f"{name}.weight"]
+        types = {reader.tensor_type(part) for part in source.names}
+        grids = [reader.grid(part) for part in source.names]
+        grid = None
+        if all(g is not None for g in grids):
+            grid = tuple(torch.cat([g[i] for g in grids]) for i in (0, 1))
+        gguf_type = types.pop() if len(types) == 1 else None  # mixed types (Q4_K_M's Q6_K parts): int8
+        parent, _, child = name.rpartition(".")
+        layer = quantized_linear(method, build(reader, source), linear.bias, dtype, gguf_type, grid)
+        setattr(lm.get_submodule(parent), child, layer)
+    embedding = build(reader, layout["embed.weight"])
+    lm.embed = Int8Embedding(*int8_rows(embedding), dtype)
+    if lm.spec.tie_word_embeddings:  # the output layer keeps its own dense copy (see hybridlb.model.quantized)
+        lm.lm_head.weight.copy_(embedding)
