@@ -89,8 +89,9 @@ def lm_eval_scores(url: str, tokenizer_dir: str) -> dict:
 
 
 def run_config(name: str, flags: list[str], seed: int, quality: bool, tokenizer_dir: str | None) -> dict:
+    # --kv-cache-gib 0.5: the engine's default (the helper's 1 GiB would be most of the RSS compared).
     server = Server.hybridlb(f"quantized_{name}", SMOLLM2, "--served-model-name", "smollm2", "--dtype", "bfloat16",
-                             *flags)
+                             "--kv-cache-gib", "0.5", *flags)
     try:
         ready_s = server.wait_ready()
         for input_len, output_len, concurrency in SHAPES:  # warm-up, every shape

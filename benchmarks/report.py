@@ -29,6 +29,7 @@ from pathlib import Path
 import report_sections as sections
 from common import script_hash
 from report_api import api_overhead, chat_ttft
+from report_quantized import quantized
 from report_routing import prefix_routing
 from report_sections import Page, generic
 from report_vs_vllm import vs_vllm
@@ -37,7 +38,7 @@ SECTIONS: dict[str, Callable[[Page, dict], str]] = {
     "engine_throughput": sections.engine_throughput, "api_overhead": api_overhead, "vs_vllm": vs_vllm,
     "dp_overhead": sections.dp_overhead, "moe_waves": sections.moe_waves, "up_time": sections.up_time,
     "load": sections.load, "soak": sections.soak, "control_plane": sections.control_plane,
-    "prefix_routing": prefix_routing, "chat_ttft": chat_ttft,
+    "prefix_routing": prefix_routing, "chat_ttft": chat_ttft, "quantized": quantized,
 }
 
 BENCHMARKS: dict[str, tuple[str, str, str]] = {  # name: title, command, what it measures
@@ -76,6 +77,10 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {  # name: title, command, what it
                      "torch's CPU GEMM at SmolLM2's decode shapes (batch 1, 16, 64) and one large square, bfloat16 "
                      "and float32; a batch-1 pass over every weight of the model (the bandwidth wall of batch-1 "
                      "decode); a 256 MiB memory copy. The anchor engine figures are quoted against."),
+    "quantized": ("Weights kept quantized: int8 and 4-bit against bfloat16", "python benchmarks/quantized.py",
+                  "SmolLM2 bfloat16 activations, one engine: the GGUF file dequantized (bf16), int8 per channel, and "
+                  "the file's own Q4_1 blocks kept (q4). Output tok/s and TPOT at concurrency 1 and 16, weight bytes "
+                  "per decode step against the measured streaming wall, engine RSS, greedy agreement and lm-eval."),
     "control_plane": ("Control plane", "python benchmarks/control_plane.py",
                       "Simulated engines: coordinator publish latency at 64-512 engines, one API server's "
                       "request rate, dense DP overhead at 8 and 32 ranks."),

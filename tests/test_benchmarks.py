@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 # modules the scripts import, not scripts
-HELPERS = {"common.py", "report_sections.py", "report_api.py", "report_routing.py", "report_vs_vllm.py"}
+HELPERS = {"common.py", "report_sections.py", "report_api.py", "report_routing.py", "report_vs_vllm.py",
+           "report_quantized.py"}
 SCRIPTS = sorted(p for p in Path("benchmarks").glob("*.py") if p.name not in HELPERS)
 
 
