@@ -96,3 +96,12 @@ def test_bad_quantization_settings_name_the_fix(llama_dir, tmp_path):
     assert translate(["m", "-q", "int8"])[0] == ["--model", "m", "--quantization", "int8"]
     with pytest.raises(FlagError, match="--quantization awq: hybridlb keeps weights quantized as one of int8"):
         translate(["m", "--quantization", "awq"])
+
+
+def test_a_shape_the_4_bit_kernel_cannot_take_is_kept_as_int8():
+    from hybridlb.model.quantized import quantized_linear
+
+    weight = torch.randn(40, 64)  # 40 output rows: torch packs 4-bit weights in rows of 16
+    layer = quantized_linear("int4", weight, None, torch.float32)
+    assert isinstance(layer, Int8Linear)
+    assert isinstance(quantized_linear("int4", torch.randn(48, 64), None, torch.float32), Int4Linear)

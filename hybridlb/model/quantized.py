@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 GROUP = 32
+PACK_ROWS = 16  # torch's 4-bit packing takes output sizes divisible by this (others are kept as int8)
 METHODS = ("int8", "int4", "gguf")
 INT8_MAX = 127
 
@@ -84,8 +85,9 @@ class Int4Linear(nn.Module):
                  dtype: torch.dtype):
         super().__init__()
         self.out_features, self.in_features = codes.shape
-        if self.in_features % GROUP:
-            raise ValueError(f"4-bit weights need an input size divisible by {GROUP}, got {self.in_features}")
+        if self.in_features % GROUP or self.out_features % PACK_ROWS:
+            raise ValueError(f"4-bit weights need an input size divisible by {GROUP} and an output size divisible "
+                             f"by {PACK_ROWS}, got {self.out_features} x {self.in_features}")
         self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 2))
         # torch's convention, w = scale * (code - 8) + zero, so zero = low + 8 * scale; [K / GROUP, N, 2].
         zeros = low + 8 * scale
@@ -126,11 +128,12 @@ class Int8Embedding(nn.Module):
 def quantized_linear(method: str, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
                      gguf_type: str | None = None, grid=None) -> nn.Module:
     """The layer ``method`` keeps ``weight`` as. With ``gguf``, a 4-bit GGUF tensor stays 4-bit (its own
-    codes where ``grid`` gives them, else regrouped from its values) and any other type becomes int8."""
+    codes where ``grid`` gives them, else regrouped from its values) and any other type becomes int8; so
+    does a weight whose shape torch's 4-bit kernel cannot take (see GROUP, PACK_ROWS)."""
     from hybridlb.checkpoint.gguf import FOUR_BIT_TYPES
 
     four_bit = method == "int4" or (method == "gguf" and gguf_type in FOUR_BIT_TYPES)
-    if four_bit and weight.shape[1] % GROUP == 0:
+    if four_bit and weight.shape[1] % GROUP == 0 and weight.shape[0] % PACK_ROWS == 0:
         return Int4Linear.from_weight(weight, bias, dtype, grid)
     return Int8Linear.from_weight(weight, bias, dtype)
 
