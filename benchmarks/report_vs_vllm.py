@@ -16,18 +16,28 @@ def round_ratios(raw: list[dict]) -> dict[tuple[int, int, int], list[float]]:
     return spread
 
 
+def _with_rounds(row: dict):
+    """A row's median output tok/s, with each round's figure where the run kept them."""
+    rounds = row.get("output_tok_s_rounds")
+    if not rounds:
+        return row["output_tok_s"]
+    return f"{row['output_tok_s']:.0f} ({', '.join(f'{v:.0f}' for v in rounds)})"
+
+
 def vs_vllm(page, data: dict) -> str:
     ratios = []
     current = data.get("meta", {}).get("script_sha")
     stamps = data.get("stamps", {})
     older = [size for size in data["results"] if stamps.get(size, {}).get("script_sha") != current]
+    page.text("Each server alone on the machine (started, warmed up at every shape, measured, stopped; then the "
+              "other), rounds alternating which goes first; medians, each round's figure in brackets.")
     for size, rows in data["results"].items():
         if size in older:
             continue
         page.text(f"**{size if ' ' in size else size + ' qwen3'}**")
         page.table(["server", "in / out", "concurrency", "output tok/s", "mean TTFT ms", "P99 TTFT ms",
                     "mean TPOT ms", "failed", "RSS MiB", "per engine MiB"],
-                   [[r["server"], f"{r['input']} / {r['output']}", r["concurrency"], r["output_tok_s"],
+                   [[r["server"], f"{r['input']} / {r['output']}", r["concurrency"], _with_rounds(r),
                      r["mean_ttft_ms"], r["p99_ttft_ms"], r["mean_tpot_ms"], r["failed"], r.get("rss_mib", ""),
                      ", ".join(map(str, r.get("engine_rss_mib", [])))]
                     for r in rows])

