@@ -18,7 +18,8 @@ Servers: hybridlb with ``cache_aware``, ``least_loaded`` and ``round_robin`` (pr
 on), hybridlb ``least_loaded`` with prefix caching off, and vLLM DP=2 ``--data-parallel-
 hybrid-lb`` with its prefix caching (on by default). All bfloat16. Prompts are new random
 tokens in every round, so no server starts a run with anything cached from an earlier one.
-Rounds alternate the servers' order; figures are medians over rounds.
+Each server runs alone on the machine (started for its turn, warmed up, measured, stopped);
+rounds alternate the servers' order; figures are medians over rounds.
 
 ``--kv-cache-gib`` sets each hybridlb engine's KV cache (default 1 GiB, as vLLM's
 ``VLLM_CPU_KVCACHE_SPACE=1``). SmolLM2 keeps 22.5 KiB of KV per token. At 1 GiB
@@ -157,36 +158,28 @@ def main() -> None:
     vocab = Tokenizer(model).vocab_size
     with_vllm = not args.no_vllm and args.kv_cache_gib == 1.0
     names = [f"hybridlb:{policy}" for policy in args.configs.split(",")] + (["vllm"] if with_vllm else [])
-    vllm_server = None
-    if with_vllm:
-        vllm_server = Server.vllm("vllm", vllm_executable(), model, *COMMON, "--data-parallel-size-local", "2",
-                                  "--data-parallel-hybrid-lb")
-        print(f"vllm ready in {vllm_server.wait_ready():.0f} s", flush=True)
-        warm_up(vllm_server, vocab)
+    vllm = vllm_executable() if with_vllm else None
     workloads = args.workloads.split(",")
     if unknown := set(workloads) - set(WORKLOADS):
         parser.error(f"unknown workloads {sorted(unknown)}; choose from {', '.join(WORKLOADS)}")
     raw: dict[str, dict[str, list[dict]]] = {name: {workload: [] for workload in workloads} for name in names}
-    try:
-        for round_index in range(args.rounds):
-            print(f"round {round_index + 1}", flush=True)
-            for name in names if round_index % 2 == 0 else names[::-1]:
-                if name == "vllm":
-                    server = vllm_server
-                else:
-                    server = Server.hybridlb(name, model, *COMMON, "--kv-cache-gib", str(args.kv_cache_gib),
-                                             *HYBRIDLB[name.split(":")[1]])
-                    server.wait_ready()
-                    warm_up(server, vocab)
-                try:
-                    for workload, row in measure(server, vocab, round_index, workloads).items():
-                        raw[name][workload].append(row)
-                finally:
-                    if server is not vllm_server:
-                        server.stop()
-    finally:
-        if vllm_server is not None:
-            vllm_server.stop()
+    for round_index in range(args.rounds):
+        print(f"round {round_index + 1}", flush=True)
+        for name in names if round_index % 2 == 0 else names[::-1]:
+            # Each server alone on the machine: started for its turn, stopped after it.
+            if name == "vllm":
+                server = Server.vllm("vllm", vllm, model, *COMMON, "--data-parallel-size-local", "2",
+                                     "--data-parallel-hybrid-lb")
+            else:
+                server = Server.hybridlb(name, model, *COMMON, "--kv-cache-gib", str(args.kv_cache_gib),
+                                         *HYBRIDLB[name.split(":")[1]])
+            try:
+                print(f"{name} ready in {server.wait_ready():.0f} s", flush=True)
+                warm_up(server, vocab)
+                for workload, row in measure(server, vocab, round_index, workloads).items():
+                    raw[name][workload].append(row)
+            finally:
+                server.stop()
     table = summarize_rounds(raw)
     print_table(table)
     setting = f"KV cache {args.kv_cache_gib:g} GiB per engine"

@@ -100,3 +100,16 @@ def smollm2_reference(smollm2_transformers) -> dict[str, list[int]]:
     model, tokenizer = smollm2_transformers
     ids = [tokenizer.encode(p) for p in PROMPTS]
     return dict(zip(PROMPTS, reference_greedy(model, ids, REAL_NEW_TOKENS), strict=True))
+
+
+# A random Llama with rows of 256, so that GGUF K-quant blocks (256 values) fit every weight.
+GGUF_DIMS = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "head_dim": 64}
+
+
+@pytest.fixture(scope="session")
+def llama256_dir(tmp_path_factory):
+    """The random Llama the GGUF tests write in each GGML type (tests/gguf_writer.py)."""
+    from hybridlb.model.make_model import make_model
+
+    return make_model("llama", "tiny", tmp_path_factory.mktemp("llama256") / "m", seed=2, dims=GGUF_DIMS)

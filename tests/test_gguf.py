@@ -9,26 +9,17 @@ import torch
 from hybridlb import LLM, SamplingParams
 from hybridlb.checkpoint.path import CheckpointError, resolve
 from hybridlb.checkpoint.tokenizer import Tokenizer
-from hybridlb.model.make_model import make_model
 from tests.conftest import PROMPTS, reference_greedy
 from tests.gguf_writer import write_gguf
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-# Rows of 256 so that K-quant blocks (256 values) fit every weight.
-DIMS = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 64}
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    return make_model("llama", "tiny", tmp_path_factory.mktemp("llama256") / "m", seed=2, dims=DIMS)
 
 
 @pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
-def test_greedy_tokens_equal_transformers_for_each_type(tmp_path, llama_dir, qtype):
+def test_greedy_tokens_equal_transformers_for_each_type(tmp_path, llama256_dir, qtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = write_gguf(llama_dir, tmp_path / f"model.{qtype}.gguf", qtype)
+    path = write_gguf(llama256_dir, tmp_path / f"model.{qtype}.gguf", qtype)
     llm = LLM(str(path), max_model_len=256, num_kv_blocks=64, dtype="float32")
     ours = llm.generate(PROMPTS[:4], GREEDY)
     theirs_tok = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
@@ -39,37 +30,37 @@ def test_greedy_tokens_equal_transformers_for_each_type(tmp_path, llama_dir, qty
     assert [o.token_ids for o in ours] == expected
 
 
-def test_a_directory_holding_one_gguf_file_is_a_model(tmp_path, llama_dir):
-    write_gguf(llama_dir, tmp_path / "model.gguf", "Q8_0")
+def test_a_directory_holding_one_gguf_file_is_a_model(tmp_path, llama256_dir):
+    write_gguf(llama256_dir, tmp_path / "model.gguf", "Q8_0")
     assert resolve(str(tmp_path)).path == tmp_path / "model.gguf"
     assert Tokenizer(str(tmp_path)).apply_chat_template([{"role": "user", "content": "Hi"}]).startswith(
         "<|im_start|>user\nHi")
-    write_gguf(llama_dir, tmp_path / "other.gguf", "Q8_0")
+    write_gguf(llama256_dir, tmp_path / "other.gguf", "Q8_0")
     with pytest.raises(CheckpointError, match=r"several \.gguf files \(model\.gguf, other\.gguf\)"):
         resolve(str(tmp_path))
 
 
-def test_sampling_defaults_come_from_the_gguf_metadata(tmp_path, llama_dir):
+def test_sampling_defaults_come_from_the_gguf_metadata(tmp_path, llama256_dir):
     from hybridlb.checkpoint.generation_config import sampling_defaults
 
-    plain = write_gguf(llama_dir, tmp_path / "plain.gguf", "F16")
+    plain = write_gguf(llama256_dir, tmp_path / "plain.gguf", "F16")
     assert sampling_defaults(str(plain)) == {}
-    tuned = write_gguf(llama_dir, tmp_path / "tuned.gguf", "F16", sampling={"temp": 0.5, "top_k": 40})
+    tuned = write_gguf(llama256_dir, tmp_path / "tuned.gguf", "F16", sampling={"temp": 0.5, "top_k": 40})
     assert sampling_defaults(str(tuned)) == {"temperature": 0.5, "top_k": 40}
     assert sampling_defaults(str(tuned), "vllm") == {}
 
 
-def test_broken_gguf_files_fail_clearly(tmp_path, llama_dir):
+def test_broken_gguf_files_fail_clearly(tmp_path, llama256_dir):
     garbage = tmp_path / "garbage.gguf"
     garbage.write_bytes(b"not a gguf file at all" * 10)
     with pytest.raises(CheckpointError, match="is not a readable GGUF file"):
         LLM(str(garbage))
     with pytest.raises(CheckpointError, match=r"a file must be a \.gguf"):
-        LLM(str(llama_dir / "config.json"))
-    gpt2 = write_gguf(llama_dir, tmp_path / "gpt2.gguf", "F16", arch="gpt2")
+        LLM(str(llama256_dir / "config.json"))
+    gpt2 = write_gguf(llama256_dir, tmp_path / "gpt2.gguf", "F16", arch="gpt2")
     with pytest.raises(CheckpointError, match=r"GGUF architecture 'gpt2' is not supported; supported: llama, qwen2"):
         LLM(str(gpt2))
-    spm = write_gguf(llama_dir, tmp_path / "spm.gguf", "F16", tokenizer_model="llama")
+    spm = write_gguf(llama256_dir, tmp_path / "spm.gguf", "F16", tokenizer_model="llama")
     with pytest.raises(CheckpointError, match=r"GGUF tokenizer 'llama' is not supported .* Hugging Face directory"):
         Tokenizer(str(spm))
 

@@ -11,19 +11,11 @@ from pydantic import ValidationError
 from hybridlb import LLM, SamplingParams
 from hybridlb.cli.vllm_args import FlagError, translate
 from hybridlb.config import EngineConfig
-from hybridlb.model.make_model import make_model
 from hybridlb.model.quantized import Int4Linear, Int8Embedding, Int8Linear, int4_groups
 from tests.conftest import PROMPTS
 from tests.gguf_writer import write_gguf
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-DIMS = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 64}
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    return make_model("llama", "tiny", tmp_path_factory.mktemp("llama256q") / "m", seed=2, dims=DIMS)
 
 
 def _runner(llm: LLM):
@@ -48,10 +40,10 @@ def test_int8_and_int4_layers_compute_what_their_codes_stand_for():
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
-def test_a_gguf_files_4_bit_blocks_are_kept_exactly(tmp_path, llama_dir, qtype):
+def test_a_gguf_files_4_bit_blocks_are_kept_exactly(tmp_path, llama256_dir, qtype):
     """Each projection's codes stand for exactly the values the dequantized engine holds (float32):
     the file's own 4-bit grid, q/k rows in rotate-half order, nothing requantized."""
-    path = str(write_gguf(llama_dir, tmp_path / f"model.{qtype}.gguf", qtype))
+    path = str(write_gguf(llama256_dir, tmp_path / f"model.{qtype}.gguf", qtype))
     kept = LLM(path, max_model_len=256, num_kv_blocks=64, dtype="float32", quantization="gguf")
     plain = LLM(path, max_model_len=256, num_kv_blocks=64, dtype="float32")
     ours, theirs = _linears(_runner(kept).model), _linears(_runner(plain).model)
@@ -62,8 +54,8 @@ def test_a_gguf_files_4_bit_blocks_are_kept_exactly(tmp_path, llama_dir, qtype):
     assert all(out.token_ids for out in kept.generate(PROMPTS, GREEDY))
 
 
-def test_k_quants_are_regrouped_within_half_a_step(tmp_path, llama_dir):
-    path = str(write_gguf(llama_dir, tmp_path / "model.Q4_K.gguf", "Q4_K"))
+def test_k_quants_are_regrouped_within_half_a_step(tmp_path, llama256_dir):
+    path = str(write_gguf(llama256_dir, tmp_path / "model.Q4_K.gguf", "Q4_K"))
     kept = LLM(path, max_model_len=256, num_kv_blocks=64, dtype="float32", quantization="gguf")
     plain = LLM(path, max_model_len=256, num_kv_blocks=64, dtype="float32")
     theirs = _linears(_runner(plain).model)
@@ -75,23 +67,23 @@ def test_k_quants_are_regrouped_within_half_a_step(tmp_path, llama_dir):
         assert (error <= scale[..., None] / 2 + 1e-6).all(), name
 
 
-def test_int8_at_load_quantizes_every_projection(llama_dir):
-    llm = LLM(str(llama_dir), max_model_len=256, num_kv_blocks=64, dtype="float32", quantization="int8")
+def test_int8_at_load_quantizes_every_projection(llama256_dir):
+    llm = LLM(str(llama256_dir), max_model_len=256, num_kv_blocks=64, dtype="float32", quantization="int8")
     model = _runner(llm).model
     assert all(isinstance(layer, Int8Linear) for layer in _linears(model).values())
     assert isinstance(model.embed, Int8Embedding) and isinstance(model.lm_head, torch.nn.Linear)  # dense logits
     assert llm.generate(PROMPTS[:2], GREEDY)[0].token_ids
 
 
-def test_bad_quantization_settings_name_the_fix(llama_dir, tmp_path):
+def test_bad_quantization_settings_name_the_fix(llama256_dir, tmp_path):
     with pytest.raises(ValidationError, match=r"not a \.gguf file; use int8 or int4"):
-        EngineConfig(model=str(llama_dir), quantization="gguf")
+        EngineConfig(model=str(llama256_dir), quantization="gguf")
     with pytest.raises(ValidationError, match="needs dtype bfloat16, float32 or auto"):
-        EngineConfig(model=str(llama_dir), quantization="int8", dtype="float16")
+        EngineConfig(model=str(llama256_dir), quantization="int8", dtype="float16")
     with pytest.raises(ValidationError, match="use device: cpu"):
-        EngineConfig(model=str(llama_dir), quantization="int4", device="cuda")
+        EngineConfig(model=str(llama256_dir), quantization="int4", device="cuda")
     with pytest.raises(ValidationError, match="'int8', 'int4' or 'gguf'"):
-        EngineConfig(model=str(llama_dir), quantization="awq")
+        EngineConfig(model=str(llama256_dir), quantization="awq")
     assert translate(["m", "--quantization", "gguf"])[0] == ["--model", "m", "--quantization", "gguf"]
     assert translate(["m", "-q", "int8"])[0] == ["--model", "m", "--quantization", "int8"]
     with pytest.raises(FlagError, match="--quantization awq: hybridlb keeps weights quantized as one of int8"):
