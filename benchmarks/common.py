@@ -185,11 +185,11 @@ class Server:
         return cls(name, command, port, model)
 
     @classmethod
-    def vllm(cls, name: str, vllm: str, model: str, *flags: str) -> Server:
+    def vllm(cls, name: str, vllm: str, model: str, *flags: str, env: dict | None = None) -> Server:
         port = free_port()
         dtype = [] if "--dtype" in flags else ["--dtype", "float32"]  # vLLM casts to bfloat16 on CPU otherwise
         command = [vllm, "serve", model, "--port", str(port), "--max-model-len", "1024", *dtype, *flags]
-        return cls(name, command, port, model, VLLM_ENV)
+        return cls(name, command, port, model, {**VLLM_ENV, **(env or {})})
 
     def wait_ready(self, timeout_s: float = 600) -> float:
         while time.monotonic() - self.started < timeout_s:

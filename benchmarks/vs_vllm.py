@@ -128,11 +128,17 @@ def main() -> None:
     parser.add_argument("--dp", type=int, default=1,
                         help="data-parallel ranks on this node: hybridlb --data-parallel-size N against vLLM "
                              "--data-parallel-size N --data-parallel-hybrid-lb")
+    parser.add_argument("--vllm-reserved-cpus", default="0",
+                        help="VLLM_CPU_NUM_OF_RESERVED_CPU: cores vLLM keeps off its compute threads. vLLM 0.32 "
+                             "reserves one per rank on x86 by default, which on 2 cores leaves its engine one; 0 "
+                             "gives it every core, as hybridlb's engine has ('default': vLLM's own choice)")
     parser.add_argument("--workloads", default="", help="only these, e.g. 32/64c16,256/128c32 (default: all)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/vs_vllm.json"))
     args = parser.parse_args()
     vllm = vllm_executable()
-    report: dict = {"meta": stamp(rounds=args.rounds, num_prompts=args.num_prompts, dtype=args.dtype, dp=args.dp),
+    vllm_env = {} if args.vllm_reserved_cpus == "default" else {"VLLM_CPU_NUM_OF_RESERVED_CPU": args.vllm_reserved_cpus}
+    report: dict = {"meta": stamp(rounds=args.rounds, num_prompts=args.num_prompts, dtype=args.dtype, dp=args.dp,
+                                  vllm_env=vllm_env),
                     "results": {}, "ratios": {}}
     for name in args.models.split(","):
         model = smollm2_hf_dir(args.models_dir) if name == "smollm2" else checkpoint(args.models_dir, "qwen3", name)
@@ -146,7 +152,7 @@ def main() -> None:
         dp = ("--data-parallel-size", str(args.dp))
         vllm_dp = ("--data-parallel-size-local", str(args.dp), "--data-parallel-hybrid-lb") if args.dp > 1 else ()
         starts = {"hybridlb": partial(Server.hybridlb, "hybridlb", model, *dtype, *dp),
-                  "vllm": partial(Server.vllm, "vllm", vllm, model, *dtype, *dp, *vllm_dp)}
+                  "vllm": partial(Server.vllm, "vllm", vllm, model, *dtype, *dp, *vllm_dp, env=vllm_env)}
 
         def bench_serve(server: Server) -> None:
             if "vllm_bench_serve_against_hybridlb" not in report:
