@@ -9,6 +9,7 @@ import torch
 from pydantic import ValidationError
 
 from hybridlb import LLM, SamplingParams
+from hybridlb.checkpoint.path import CheckpointError
 from hybridlb.cli.vllm_args import FlagError, translate
 from hybridlb.config import EngineConfig
 from hybridlb.model.quantized import Int4Linear, Int8Embedding, Int8Linear, int4_groups
@@ -76,8 +77,8 @@ def test_int8_at_load_quantizes_every_projection(llama256_dir):
 
 
 def test_bad_quantization_settings_name_the_fix(llama256_dir, tmp_path):
-    with pytest.raises(ValidationError, match=r"not a \.gguf file; use int8 or int4"):
-        EngineConfig(model=str(llama256_dir), quantization="gguf")
+    with pytest.raises(CheckpointError, match=r"not a \.gguf file; use int8 or int4"):
+        LLM(str(llama256_dir), quantization="gguf", num_kv_blocks=64, max_model_len=256)
     with pytest.raises(ValidationError, match="needs dtype bfloat16, float32 or auto"):
         EngineConfig(model=str(llama256_dir), quantization="int8", dtype="float16")
     with pytest.raises(ValidationError, match="use device: cpu"):

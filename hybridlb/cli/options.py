@@ -195,7 +195,10 @@ def check_model_options(cfg: Config) -> None:
     from hybridlb.checkpoint.path import CheckpointError, resolve
 
     try:
-        resolve(cfg.engine.model)
+        checkpoint = resolve(cfg.engine.model)
+        if cfg.engine.quantization == "gguf" and not checkpoint.is_gguf:
+            fail(f"--quantization gguf keeps a .gguf file's weights quantized, but {cfg.engine.model} is not a "
+                 ".gguf file; use int8 or int4 to quantize it at load")
         if cfg.api.chat_template:
             read_template_argument(cfg.api.chat_template)
         sampling_defaults(cfg.engine.model, cfg.api.generation_config)

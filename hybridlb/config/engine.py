@@ -214,9 +214,6 @@ class EngineConfig(_Section):
         if self.dtype == "float16":
             raise ValueError("engine.quantization needs dtype bfloat16, float32 or auto (torch's CPU weight-only "
                              "kernels take no float16)")
-        if self.quantization == "gguf" and not _names_gguf(self.model):
-            raise ValueError(f"engine.quantization gguf keeps a .gguf file's weights quantized, but engine.model "
-                             f"{self.model!r} is not a .gguf file; use int8 or int4 to quantize it at load")
         return self
 
     @model_validator(mode="after")
@@ -240,16 +237,3 @@ def check_kv_cache_fits(num_blocks: int, block_size: int, max_model_len: int) ->
         raise ValueError(f"the KV cache ({num_blocks} blocks of {block_size} tokens) cannot hold one sequence of "
                          f"max_model_len={max_model_len} ({needed} blocks); raise kv_cache_gib / num_kv_blocks "
                          "or lower max_model_len")
-
-
-def _names_gguf(model: str) -> bool:
-    """Whether the checkpoint is a GGUF file (a path or package: spec ending in .gguf, or a directory
-    holding one); an unresolvable path passes here and fails where the checkpoint is resolved."""
-    from hybridlb.checkpoint.path import CheckpointError, resolve
-
-    if model.endswith(".gguf"):
-        return True
-    try:
-        return resolve(model).is_gguf
-    except CheckpointError:
-        return True

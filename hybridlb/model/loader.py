@@ -188,6 +188,9 @@ def load_model(model: str | Path, spec: ModelSpec, dtype: torch.dtype, device: t
             module.reset()
     layout = checkpoint_layout(spec, experts)
     reader = tensor_reader(model)
+    if quantization == "gguf" and isinstance(reader, SafetensorsReader):
+        raise CheckpointError(f"quantization gguf keeps a .gguf file's weights quantized, but {model} is not a "
+                              ".gguf file; use int8 or int4 to quantize it at load")
     targets = quantization_targets(lm) if quantization else {}
     kept_quantized = {f"{name}.weight" for name in targets} | ({"embed.weight"} if targets else set())
     with torch.no_grad():
