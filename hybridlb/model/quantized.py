@@ -136,14 +136,3 @@ def quantized_linear(method: str, weight: torch.Tensor, bias: torch.Tensor | Non
     if four_bit and weight.shape[1] % GROUP == 0 and weight.shape[0] % PACK_ROWS == 0:
         return Int4Linear.from_weight(weight, bias, dtype, grid)
     return Int8Linear.from_weight(weight, bias, dtype)
-
-
-def quantized_bytes(model: nn.Module) -> int:
-    """Bytes the model's parameters and buffers hold (a shared tensor counted once)."""
-    seen, total = set(), 0
-    for tensor in [*model.parameters(), *model.buffers()]:
-        if tensor.data_ptr() in seen or tensor.device.type == "meta":
-            continue
-        seen.add(tensor.data_ptr())
-        total += tensor.numel() * tensor.element_size()
-    return total
