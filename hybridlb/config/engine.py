@@ -131,8 +131,8 @@ class EngineConfig(_Section):
         "--quantization). int8: per-channel int8, quantized at load; int4: 4-bit in groups of 32, quantized at "
         "load; gguf: a .gguf file's 4-bit tensors (Q4_0, Q4_1 exactly; Q4_K, Q5_*: regrouped) stay 4-bit, other "
         "types int8. The embedding is int8 in each; the output layer stays in dtype. Fewer bytes per token: "
-        "faster at low concurrency, slower at high (see docs/quantization.md). Default: none, a GGUF file is dequantized to "
-        "dtype."
+        "faster at low concurrency, slower at high (see docs/quantization.md). Default: none, a GGUF file is "
+        "dequantized to dtype."
     )
     max_num_seqs: int = Field(64, ge=1, description="Most requests in one batch (running queue size).")
     max_num_batched_tokens: int = Field(
