@@ -29,7 +29,7 @@ from pathlib import Path
 import report_sections as sections
 from common import script_hash
 from report_api import api_overhead, chat_ttft
-from report_quantized import quantized
+from report_bandwidth import quantized, speculative
 from report_routing import prefix_routing
 from report_sections import Page, generic
 from report_vs_vllm import vs_vllm
@@ -39,6 +39,7 @@ SECTIONS: dict[str, Callable[[Page, dict], str]] = {
     "dp_overhead": sections.dp_overhead, "moe_waves": sections.moe_waves, "up_time": sections.up_time,
     "load": sections.load, "soak": sections.soak, "control_plane": sections.control_plane,
     "prefix_routing": prefix_routing, "chat_ttft": chat_ttft, "quantized": quantized,
+    "speculative": speculative,
 }
 
 BENCHMARKS: dict[str, tuple[str, str, str]] = {  # name: title, command, what it measures
@@ -81,6 +82,10 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {  # name: title, command, what it
                   "SmolLM2 bfloat16 activations, one engine: the GGUF file dequantized (bf16), int8 per channel, and "
                   "the file's own Q4_1 blocks kept (q4). Output tok/s and TPOT at concurrency 1 and 16, weight bytes "
                   "per decode step against the measured streaming wall, engine RSS, greedy agreement and lm-eval."),
+    "speculative": ("Speculative decoding: n-gram prompt lookup", "python benchmarks/speculative.py",
+                    "SmolLM2 bfloat16, one engine: hybridlb and vLLM, each without and with n-gram speculation "
+                    "(4 tokens, n-grams of 2-4), on copy-heavy chats (concurrency 1 and 4) and random prompts "
+                    "(1 and 16). Output tok/s, TPOT, the share of draft tokens accepted."),
     "control_plane": ("Control plane", "python benchmarks/control_plane.py",
                       "Simulated engines: coordinator publish latency at 64-512 engines, one API server's "
                       "request rate, dense DP overhead at 8 and 32 ranks."),

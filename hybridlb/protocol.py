@@ -321,6 +321,12 @@ class EngineStats(msgspec.Struct, tag="stats"):
     orphans_aborted: int = 0  # requests aborted because their front end was gone (rides along)
     step_failures: int = 0  # steps that raised; their requests failed (rides along)
     borrowed_steps: int = 0  # steps run on cores borrowed from the node's idle engines (rides along)
+    # Speculative decoding since start (rides along): drafts, their tokens, tokens accepted,
+    # and acceptances at each draft position.
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = msgspec.field(default_factory=list)
 
 
 RESTART_SILENCE_S = 1.5  # an epoch unheard this long (engines report every second) has ended

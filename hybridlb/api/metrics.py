@@ -103,6 +103,9 @@ class EngineTotals(Collector):
          "orphans_aborted"),
         ("hybridlb:engine_step_failures", "Engine steps that raised (their requests failed with 500).",
          "step_failures"),
+        ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", "spec_drafts"),
+        ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", "spec_draft_tokens"),
+        ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", "spec_accepted_tokens"),
     )
 
     def __init__(self, model_name: str):
@@ -115,6 +118,12 @@ class EngineTotals(Collector):
             for rank, stats in sorted(self.stats.items()):
                 family.add_metric([self.model_name, str(rank)], getattr(stats, field))
             yield family
+        family = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft's "
+                                     "position.", labels=["model_name", "engine", "position"])
+        for rank, stats in sorted(self.stats.items()):
+            for position, accepted in enumerate(stats.spec_accepted_per_pos):
+                family.add_metric([self.model_name, str(rank), str(position)], accepted)
+        yield family
 
 
 class Metrics:

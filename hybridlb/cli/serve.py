@@ -85,6 +85,9 @@ def serve(
     quantization: Annotated[str | None, vllm_option(
         "--quantization", "-q", help="Keep weights quantized (CPU): int8, int4, or gguf (a .gguf file's own "
         "4-bit blocks).")] = None,
+    speculative_config: Annotated[str | None, vllm_option(
+        help="Speculative decoding as JSON, vLLM's keys, e.g. '{\"method\": \"ngram\", "
+             "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}'.")] = None,
     seed: Annotated[int | None, vllm_option()] = None,
     torch_threads: Annotated[int | None, typer.Option(help="Threads per engine (0: split the cores).")] = None,
     share_cores: Annotated[bool | None, typer.Option(
@@ -124,6 +127,7 @@ def serve(
                        share_cores=share_cores, prefix_caching=enable_prefix_caching,
                        kv_events=json_flag("--kv-events-config", kv_events_config),
                        structured_outputs=json_flag("--structured-outputs-config", structured_outputs_config),
+                       speculative=json_flag("--speculative-config", speculative_config),
                        expert_parallel=enable_expert_parallel, async_dp_coordination=async_dp_coordination,
                        dp_timeout_s=dp_timeout, simulate=_simulate_flags(simulate_step_ms, simulate_per_token_ms)),
         "api": dict(host=host, port=port, served_model_name=served_names(served_model_name), api_key=api_key,
@@ -190,6 +194,8 @@ def _engine_summary(cfg) -> str:
     return (f"model {cfg.served_model_names}, dtype {dtype}"
             + (" (auto)" if engine.dtype == "auto" else "")
             + (f", weights {engine.quantization}" if engine.quantization else "")
+            + (f", speculative {engine.speculative.method} x{engine.speculative.num_speculative_tokens}"
+               if engine.speculative else "")
             + f", max_model_len {max_len}" + ("" if engine.max_model_len else " (the model's)"))
 
 

@@ -62,7 +62,6 @@ UNSUPPORTED = {
     "--pipeline-parallel-size": "pipeline parallelism is not implemented; drop the flag",
     "--data-parallel-backend": "only `mp` here; for Ray use `hybridlb up config.yaml`",
     "--kv-cache-dtype": "the KV cache is kept in the model's dtype; drop the flag",
-    "--speculative-config": "speculative decoding is not implemented; drop the flag",
     "--kv-transfer-config": "disaggregated prefill/decode (KV transfer) is not implemented; drop the flag",
     "--enable-lora": "LoRA adapters are not implemented; drop the flag",
     "--lora-modules": "LoRA adapters are not implemented; drop the flag",

@@ -25,6 +25,7 @@ from hybridlb.config.engine import (
     KVEventsConfig,
     MakeModelConfig,
     SimulateConfig,
+    SpeculativeConfig,
     StructuredOutputsConfig,
     check_kv_cache_fits,
     model_own_name,
@@ -32,7 +33,8 @@ from hybridlb.config.engine import (
 
 __all__ = ["MODEL_ALIASES", "ApiConfig", "Config", "ConfigError", "DataParallelConfig", "EngineConfig",
            "KVEventsConfig", "LoadBalancingConfig", "MakeModelConfig", "NodeConfig", "RayConfig", "SimulateConfig",
-           "StructuredOutputsConfig", "check_kv_cache_fits", "load_config", "model_own_name", "parse_config"]
+           "SpeculativeConfig", "StructuredOutputsConfig", "check_kv_cache_fits", "load_config", "model_own_name",
+           "parse_config"]
 
 
 class Config(_Section):

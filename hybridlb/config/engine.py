@@ -109,6 +109,50 @@ class StructuredOutputsConfig(_Section):
         return backend
 
 
+class SpeculativeConfig(_Section):
+    """Speculative decoding (vLLM's --speculative-config). ``ngram`` (prompt lookup): each step, a
+    decoding request whose last tokens also occur earlier in its prompt or output proposes the
+    tokens that followed them there; one forward pass checks them all. Greedy and sampled
+    output are exactly what they would be without it (a proposal counts only where the model
+    picks the same token); outputs just come several tokens per step when proposals hold."""
+
+    method: Literal["ngram"] = Field(description="How proposals are made: ngram (prompt lookup), the one "
+                                     "method hybridlb has.")
+    num_speculative_tokens: int = Field(ge=1, le=16, description="Most tokens proposed per request per step.")
+    prompt_lookup_max: int = Field(5, ge=1, description="Longest n-gram matched (tried first); unset: "
+                                   "prompt_lookup_min, or 5 if that is unset too (as vLLM).")
+    prompt_lookup_min: int = Field(5, ge=1, description="Shortest n-gram matched; unset: prompt_lookup_max, or 5.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _vllm_spellings(cls, data: object) -> object:
+        """vLLM's older ``"model": "ngram"`` (or "[ngram]") names the method too; its model-based
+        methods are refused here by name."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        if "method" not in data and str(data.get("model")).strip("[]") == "ngram":
+            data["method"] = data.pop("model")
+        method = str(data.get("method", "")).strip("[]")
+        if method and method != "ngram":
+            raise ValueError(f"method {method!r}: hybridlb speculates by n-gram prompt lookup only; use "
+                             "'\"method\": \"ngram\"' (draft models, EAGLE, Medusa and MTP are vLLM's alone)")
+        if method:
+            data["method"] = method
+        if data.get("prompt_lookup_max") is None:
+            data["prompt_lookup_max"] = data.get("prompt_lookup_min") or 5
+        if data.get("prompt_lookup_min") is None:
+            data["prompt_lookup_min"] = data["prompt_lookup_max"]
+        return data
+
+    @model_validator(mode="after")
+    def _lookup_range(self) -> SpeculativeConfig:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) is above prompt_lookup_max "
+                             f"({self.prompt_lookup_max}); make min <= max")
+        return self
+
+
 class EngineConfig(_Section):
     """What one engine (one data-parallel rank) needs to load a model and run it."""
 
@@ -133,6 +177,10 @@ class EngineConfig(_Section):
         "types int8. The embedding is int8 in each; the output layer stays in dtype. Fewer bytes per token: "
         "faster at low concurrency, slower at high (see docs/quantization.md). Default: none, a GGUF file is "
         "dequantized to dtype."
+    )
+    speculative: SpeculativeConfig | None = Field(
+        None, description="Speculative decoding (vLLM's --speculative-config), method ngram: faster decoding "
+        "where outputs repeat their prompt (edits, rewrites, answers quoting a document). Default: none."
     )
     max_num_seqs: int = Field(64, ge=1, description="Most requests in one batch (running queue size).")
     max_num_batched_tokens: int = Field(
@@ -220,6 +268,8 @@ class EngineConfig(_Section):
     def _check_simulation(self) -> EngineConfig:
         if self.simulate is not None and self.expert_parallel:
             raise ValueError("engine.simulate cannot shard experts (expert_parallel); simulate dense models only")
+        if self.simulate is not None and self.speculative is not None:
+            raise ValueError("engine.simulate has no model to check drafts (speculative); drop one of them")
         return self
 
     @model_validator(mode="after")

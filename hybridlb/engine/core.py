@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import FIRST_COMPLETED, wait
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from hybridlb import lifecycle
@@ -21,6 +22,7 @@ from hybridlb.engine.block_manager import BlockManager
 from hybridlb.engine.dp_context import DPContext
 from hybridlb.engine.request import Request, Status
 from hybridlb.engine.scheduler import ScheduledChunk, Scheduler
+from hybridlb.engine.speculative import NgramProposer
 from hybridlb.prefix_hash import hash_seed
 from hybridlb.protocol import EngineReady, EngineStats, RequestOutput, SamplingParams
 
@@ -31,6 +33,17 @@ if TYPE_CHECKING:  # torch and the model load only with the real runner (not a s
     from hybridlb.grammar import GrammarCache
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Emitted:
+    """What one request got in a step: its new tokens (several when a draft held) and how it ends."""
+
+    chunk: ScheduledChunk
+    tokens: list[int] = field(default_factory=list)
+    reason: str | None = None
+    stop_token: int | None = None
+    error: str | None = None
 
 
 class SickEngine(RuntimeError):
@@ -50,7 +63,8 @@ class EngineCore:
         self.vocab_size = self.runner.spec.vocab_size
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.prefix_caching,
                                    hash_seed(config.model))
-        self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.blocks)
+        proposer = NgramProposer(config.speculative) if config.speculative else None
+        self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.blocks, proposer)
         self.requests: dict[str, Request] = {}
         # Structured outputs: compiled grammars (made at the first constrained request), requests
         # whose grammar is still compiling (not scheduled yet), and outputs of those that failed.
@@ -243,33 +257,65 @@ class EngineCore:
         return self.runner.ep
 
     def _postprocess(self, chunks: list[ScheduledChunk], tokens: list[int]) -> list[RequestOutput]:
-        outputs = []
         sampled = iter(tokens)
+        emitted = []
         for chunk in chunks:
-            request = chunk.request
-            samples = chunk.samples
-            request.num_computed += chunk.num_tokens
+            request, samples = chunk.request, chunk.samples
+            request.num_computed += chunk.num_tokens - len(chunk.draft)
+            if samples:
+                emitted.append(self._accept(_Emitted(chunk), next(sampled)))
+            else:
+                self.blocks.cache_computed(request)
+        drafted = [e for e in emitted if e.chunk.draft]
+        self._verify_drafts(drafted)
+        for e in drafted:
+            self.scheduler.spec_stats.checked(e.chunk.request, len(e.tokens) - 1)
+        outputs = []
+        for e in emitted:
+            request = e.chunk.request
             self.blocks.cache_computed(request)
-            if not samples:
-                continue
-            token = next(sampled)
-            request.token_ids.append(token)
-            reason, stop_token, error = self._follow_grammar(request, token) if request.grammar else (None, None, None)
-            if reason is None:
-                reason, stop_token = self._finish_reason(request, token)
-            logprobs, prompt_logprobs = request.take_logprobs()
-            output = RequestOutput(request.request_id, [token], reason, stop_token, logprobs=logprobs,
-                                   prompt_logprobs=prompt_logprobs)
-            if error is not None:
-                output.error, output.error_kind = error, "internal"
-            if request.num_output_tokens == 1 and request.scheduled_at is not None:
-                output.queued_s = round(request.scheduled_at - request.arrived_at, 6)
-                output.prefill_s = round(time.monotonic() - request.scheduled_at, 6)
-            outputs.append(output)
-            if reason is not None:
+            outputs.append(self._output(request, e))
+            if e.reason is not None:
                 self.scheduler.finish(request)
                 del self.requests[request.request_id]
         return outputs
+
+    def _accept(self, e: _Emitted, token: int) -> _Emitted:
+        """A sampled token joins its request: follow the grammar, decide whether it finishes."""
+        request = e.chunk.request
+        request.token_ids.append(token)
+        e.tokens.append(token)
+        reason, stop_token, error = self._follow_grammar(request, token) if request.grammar else (None, None, None)
+        if reason is None:
+            reason, stop_token = self._finish_reason(request, token)
+        e.reason, e.stop_token, e.error = reason, stop_token, error
+        return e
+
+    def _verify_drafts(self, drafting: list[_Emitted]) -> None:
+        """Speculative decoding (see hybridlb.engine.speculative): while a request's newest token
+        equals its draft's next one, that draft token's KV holds and the model's row after it is
+        the request's true next distribution: sample it, as the step would have without a draft."""
+        stats, position = self.scheduler.spec_stats, 0
+        while drafting := [e for e in drafting if position < len(e.chunk.draft) and e.reason is None
+                           and e.tokens[-1] == e.chunk.draft[position]]:
+            for e in drafting:
+                stats.accepted(position)
+                e.chunk.request.num_computed += 1
+            position += 1
+            for e, token in zip(drafting, self.runner.sample_draft([e.chunk.request for e in drafting], position),
+                                strict=True):
+                self._accept(e, token)
+
+    def _output(self, request: Request, e: _Emitted) -> RequestOutput:
+        logprobs, prompt_logprobs = request.take_logprobs()
+        output = RequestOutput(request.request_id, e.tokens, e.reason, e.stop_token, logprobs=logprobs,
+                               prompt_logprobs=prompt_logprobs)
+        if e.error is not None:
+            output.error, output.error_kind = e.error, "internal"
+        if request.num_output_tokens == len(e.tokens) and request.scheduled_at is not None:  # its first
+            output.queued_s = round(request.scheduled_at - request.arrived_at, 6)
+            output.prefill_s = round(time.monotonic() - request.scheduled_at, 6)
+        return output
 
     def _follow_grammar(self, request: Request, token: int) -> tuple[str | None, int | None, str | None]:
         """Advance the request's grammar by the token it sampled: (finish reason, stop token, error)."""
@@ -299,6 +345,7 @@ class EngineCore:
         return None, None
 
     def stats(self) -> EngineStats:
+        spec = self.scheduler.spec_stats
         return EngineStats(
             rank=self.rank,
             num_running=len(self.scheduler.running),
@@ -312,6 +359,10 @@ class EngineCore:
             prefix_hits=self.blocks.hit_tokens,
             cached_blocks=self.blocks.num_cached,
             step_failures=self.step_failures,
+            spec_drafts=spec.drafts,
+            spec_draft_tokens=spec.draft_tokens,
+            spec_accepted_tokens=spec.accepted_tokens,
+            spec_accepted_per_pos=list(spec.accepted_per_position),
         )
 
     def _resident_mib(self) -> float:
@@ -356,7 +407,8 @@ class EngineCore:
 
     def label(self) -> str:
         """What this engine is, for its start-up log line."""
-        return self.runner.label()
+        spec = self.config.speculative
+        return self.runner.label() + (f", speculative {spec.method} x{spec.num_speculative_tokens}" if spec else "")
 
 
 def _load_runner(config: EngineConfig, dp: DPContext) -> ModelRunner:

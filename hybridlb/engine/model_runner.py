@@ -81,6 +81,7 @@ class ModelRunner:
         self.num_blocks = kv_cache.num_blocks(config, self.spec, self.max_model_len, self._gpu_budget(config))
         self._allocate_cache()
         self.sampler = Sampler(self.device, config.seed)
+        self._draft_logits: dict[int, torch.Tensor] = {}  # the last step's draft rows, per request
 
     def label(self) -> str:
         weights = f", weights {self.quantization}" if self.quantization else ""
@@ -130,10 +131,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk]) -> list[int]:
-        """Compute every chunk; return one sampled token per chunk that samples, in order."""
+        """Compute every chunk; return one sampled token per chunk that samples, in order. The
+        rows of the chunks' drafts are kept for ``sample_draft`` (speculative decoding)."""
         # Decodes (one-token chunks) first, longest context first, so that decodes of
         # similar length sit together and share a batched attention call; then the prompt
-        # chunks, those for torch SDPA last (see _on_sdpa).
+        # chunks and drafts, those for torch SDPA last (see _on_sdpa).
+        self._draft_logits = {}
         decodes = sorted((c for c in chunks if c.num_tokens == 1), key=lambda c: -c.request.num_computed)
         ordered = decodes + sorted((c for c in chunks if c.num_tokens > 1), key=self._on_sdpa)
         input_ids, positions, batch, sample_rows = self._prepare(ordered, len(decodes))
@@ -143,15 +146,34 @@ class ModelRunner:
         if not samplers:
             return []
         logits = self.model.logits(hidden[sample_rows])
-        scored = [i for i, c in enumerate(samplers) if c.request.params.logprobs is not None]
-        # The model's log-probabilities, taken before the sampler's penalties change the logits.
-        logprobs = torch.log_softmax(logits[scored], dim=-1) if scored else None
-        sampled = self.sampler(logits, [c.request for c in samplers])
-        for row, i in enumerate(scored):
-            request = samplers[i].request
-            request.logprobs.append(_logprobs_at(logprobs[row], sampled[i], request.params.logprobs))
+        if len(sample_rows) > len(samplers):  # drafts: their rows wait for sample_draft
+            firsts, row = [], 0
+            for chunk in samplers:
+                firsts.append(row)
+                if chunk.draft:
+                    self._draft_logits[id(chunk.request)] = logits[row + 1 : row + 1 + len(chunk.draft)]
+                row += 1 + len(chunk.draft)
+            logits = logits[self._tensor(firsts)]
+        sampled = self._sample(logits, [c.request for c in samplers])
         tokens = dict(zip(map(id, samplers), sampled, strict=True))
         return [tokens[id(c)] for c in chunks if c.samples]
+
+    @torch.inference_mode()
+    def sample_draft(self, requests: list[Request], position: int) -> list[int]:
+        """Sample the row of each request's draft token ``position`` (1-based) of the last step:
+        the next token after that draft token, which the request now holds."""
+        logits = torch.stack([self._draft_logits[id(r)][position - 1] for r in requests])
+        return self._sample(logits, requests)
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
+        scored = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+        # The model's log-probabilities, taken before the sampler's penalties change the logits.
+        logprobs = torch.log_softmax(logits[scored], dim=-1) if scored else None
+        sampled = self.sampler(logits, requests)
+        for row, i in enumerate(scored):
+            request = requests[i]
+            request.logprobs.append(_logprobs_at(logprobs[row], sampled[i], request.params.logprobs))
+        return sampled
 
     def _score_prompts(self, chunks: list[ScheduledChunk], hidden: torch.Tensor) -> None:
         """prompt_logprobs: the log-probability of each prompt token given the ones before it
@@ -180,11 +202,11 @@ class ModelRunner:
             request, start = chunk.request, chunk.request.num_computed
             end = start + chunk.num_tokens
             row = len(ids)
-            ids += request.token_ids[start:end]
+            ids += chunk.token_ids
             positions += range(start, end)
             slots += [self._slot(request, p) for p in range(start, end)]
-            if chunk.samples:
-                sample_rows.append(row + chunk.num_tokens - 1)
+            if chunk.samples:  # the last known token's row, and each draft token's
+                sample_rows += range(row + chunk.num_tokens - 1 - len(chunk.draft), row + chunk.num_tokens)
             if self._on_sdpa(chunk):
                 prefills.append(self._prefill_chunk(request, row, start, end))
         batch = AttentionBatch(slot_mapping=self._tensor(slots), decodes=[], prefills=prefills)

@@ -64,6 +64,10 @@ class Request:
         self.opening = params.constraint is not None and bool(params.constraint.after and params.constraint.opener)
         # Tokens masked until min_tokens are out (eos and stop_token_ids), set by the engine.
         self.min_tokens_banned: list[int] = []
+        # Speculative decoding: drafts in a row whose first token was rejected, and decode steps
+        # to go before the next draft (see SpecStats.checked).
+        self.draft_misses = 0
+        self.draft_wait = 0
 
     @property
     def num_tokens(self) -> int:

@@ -15,28 +15,39 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hybridlb.engine.block_manager import BlockManager
 from hybridlb.engine.request import Request, Status
+from hybridlb.engine.speculative import NgramProposer, SpecStats
 
 
 @dataclass
 class ScheduledChunk:
     request: Request
-    num_tokens: int
+    num_tokens: int  # positions computed: the request's next tokens, then the draft's
+    draft: list[int] = field(default_factory=list)  # proposed tokens after the request's last one
 
     @property
     def samples(self) -> bool:
         """Whether this chunk reaches the end of the known tokens, so a token is sampled."""
-        return self.request.num_computed + self.num_tokens == self.request.num_tokens
+        return self.request.num_computed + self.num_tokens - len(self.draft) == self.request.num_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The tokens of the positions this chunk computes."""
+        start = self.request.num_computed
+        return self.request.token_ids[start : start + self.num_tokens - len(self.draft)] + self.draft
 
 
 class Scheduler:
-    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, block_manager: BlockManager):
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, block_manager: BlockManager,
+                 proposer: NgramProposer | None = None):
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.blocks = block_manager
+        self.proposer = proposer
+        self.spec_stats = SpecStats()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -68,11 +79,28 @@ class Scheduler:
                 preempted = True
                 if index == len(self.running):  # preempted the request itself
                     return chunks, preempted
-            self.blocks.allocate(request, num_tokens)
-            chunks.append(ScheduledChunk(request, num_tokens))
-            budget -= num_tokens
+            draft = []
+            if request.num_uncomputed == 1:  # decoding: the requests after it keep a block each for their next token
+                draft = self._draft(request, budget - num_tokens, reserve=len(self.running) - index - 1)
+            self.blocks.allocate(request, num_tokens + len(draft))
+            chunks.append(ScheduledChunk(request, num_tokens + len(draft), draft))
+            budget -= num_tokens + len(draft)
             index += 1
         return chunks, preempted
+
+    def _draft(self, request: Request, budget: int, reserve: int) -> list[int]:
+        """A decoding request's proposal, within the step's budget, its max_tokens (the step also
+        yields one token past an accepted draft) and the free blocks less ``reserve``: a draft never
+        preempts anyone, nor takes a block another running request needs this step."""
+        if self.proposer is None:
+            return []
+        room = request.max_tokens - request.num_output_tokens - 1
+        draft = self.proposer.draft(request, min(budget, room), len(self.running))
+        while draft and self.blocks.blocks_needed(request, 1 + len(draft)) > self.blocks.num_free - reserve:
+            draft.pop()
+        if draft:
+            self.spec_stats.proposed(len(draft))
+        return draft
 
     def _admit_waiting(self, budget: int) -> list[ScheduledChunk]:
         chunks = []
