@@ -3,15 +3,15 @@
 One ``step()`` is: schedule → run the model → append sampled tokens → finish what
 stopped. Front ends (the process shell, the offline ``LLM``) add and abort requests
 between steps and forward the returned outputs. Everything outside the engine package
-talks to the core through its methods: the scheduler, the block manager and the runner
-are its own. ``make_core`` builds the core a config asks for (the model, or a simulated one).
+talks to the core through its methods: the scheduler, the block manager, the runner and
+the constraints (structured outputs) are its own. ``make_core`` builds the core a config
+asks for (the model, or a simulated one).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -19,8 +19,9 @@ from hybridlb import lifecycle
 from hybridlb.checkpoint.tokenizer import read_eos_token_ids
 from hybridlb.config import EngineConfig
 from hybridlb.engine.block_manager import BlockManager
+from hybridlb.engine.constraints import Constraints
 from hybridlb.engine.dp_context import DPContext
-from hybridlb.engine.request import Request, Status
+from hybridlb.engine.request import Request
 from hybridlb.engine.scheduler import ScheduledChunk, Scheduler
 from hybridlb.engine.speculative import NgramProposer
 from hybridlb.prefix_hash import hash_seed
@@ -30,7 +31,6 @@ if TYPE_CHECKING:  # torch and the model load only with the real runner (not a s
     from hybridlb.engine.block_manager import Removed, Stored
     from hybridlb.engine.expert_parallel import ExpertParallel
     from hybridlb.engine.model_runner import ModelRunner
-    from hybridlb.grammar import GrammarCache
 
 log = logging.getLogger(__name__)
 
@@ -66,11 +66,8 @@ class EngineCore:
         proposer = NgramProposer(config.speculative) if config.speculative else None
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.blocks, proposer)
         self.requests: dict[str, Request] = {}
-        # Structured outputs: compiled grammars (made at the first constrained request), requests
-        # whose grammar is still compiling (not scheduled yet), and outputs of those that failed.
-        self.grammars: GrammarCache | None = None
-        self.compiling: list[Request] = []
-        self._early_outputs: list[RequestOutput] = []
+        self.constraints = Constraints(config, self.vocab_size, self.rank, self.eos_token_ids)
+        self._early_outputs: list[RequestOutput] = []  # decided outside a step: grammars that failed
         self.num_steps = 0
         self.step_failures = 0
         self.failed_in_a_row = 0
@@ -104,18 +101,8 @@ class EngineCore:
         if params.constraint is None:
             self.scheduler.add(request)
         else:  # scheduled once its grammar compiled (see schedule)
-            request.compiling = self._grammar_cache().matcher(params.constraint)
-            self.compiling.append(request)
+            self.constraints.add(request)
         return None
-
-    def _grammar_cache(self) -> GrammarCache:
-        if self.grammars is None:
-            from hybridlb.checkpoint.tokenizer import Tokenizer
-            from hybridlb.grammar import GrammarCache, make_backend
-
-            options, model, vocab = self.config.structured_outputs, self.config.model, self.vocab_size
-            self.grammars = GrammarCache(lambda: make_backend(options, Tokenizer(model), vocab), options.cache_size)
-        return self.grammars
 
     def _check(self, request_id: str, prompt: list[int], params: SamplingParams) -> str | None:
         if request_id in self.requests:
@@ -145,10 +132,7 @@ class EngineCore:
             request = self.requests.pop(request_id, None)
             if request is None:
                 continue
-            if request in self.compiling:
-                self.compiling.remove(request)
-                request.status = Status.FINISHED
-            else:
+            if not self.constraints.drop(request):
                 self.scheduler.finish(request)
             outputs.append(RequestOutput(request_id, [], finish_reason="abort"))
         return outputs
@@ -156,7 +140,7 @@ class EngineCore:
     # -- the step ------------------------------------------------------------------
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or bool(self.compiling) or bool(self._early_outputs)
+        return self.scheduler.has_work or bool(self.constraints.compiling) or bool(self._early_outputs)
 
     def step(self) -> list[RequestOutput]:
         """One step of a dense engine. A step that raises fails only its own requests (an
@@ -164,8 +148,8 @@ class EngineCore:
         chunks = self.schedule()
         early = self.take_early_outputs()
         if not chunks:
-            if self.compiling and not early:  # nothing to run until a grammar compiles: wait for one, briefly
-                wait([r.compiling for r in self.compiling], timeout=0.005, return_when=FIRST_COMPLETED)
+            if self.constraints.compiling and not early:  # nothing to run until a grammar compiles
+                self.constraints.wait_briefly()
             return early
         try:
             outputs = early + self.run_chunks(chunks)
@@ -182,45 +166,19 @@ class EngineCore:
 
     def schedule(self) -> list[ScheduledChunk]:
         """What the next step computes (``Lockstep`` exchanges its size before running it)."""
-        if self.compiling:
-            self._admit_compiled()
+        if self.constraints.compiling:
+            ready, failed = self.constraints.admit()
+            for request in ready:
+                self.scheduler.add(request)
+            for output in failed:
+                del self.requests[output.request_id]
+            self._early_outputs += failed
         return self.scheduler.schedule()
 
     def take_early_outputs(self) -> list[RequestOutput]:
         """Outputs decided outside a step (a grammar that failed to compile)."""
         outputs, self._early_outputs = self._early_outputs, []
         return outputs
-
-    def _admit_compiled(self) -> None:
-        """Requests whose grammar compiled join the scheduler's queue; those whose grammar failed end."""
-        from hybridlb.grammar import GrammarError
-
-        for request in [r for r in self.compiling if r.compiling.done()]:
-            self.compiling.remove(request)
-            future, request.compiling = request.compiling, None
-            if (error := future.exception()) is None:
-                request.grammar = future.result()
-                self._replay_grammar(request)
-                self.scheduler.add(request)
-                continue
-            del self.requests[request.request_id]
-            request.status = Status.FINISHED
-            kind = "invalid" if isinstance(error, GrammarError) else "internal"
-            if kind == "internal":
-                log.error("engine %d: the grammar of request %s failed: %s: %s", self.rank, request.request_id,
-                          type(error).__name__, error)
-            self._early_outputs.append(RequestOutput(request.request_id, [], "error", error=str(error),
-                                                     error_kind=kind))
-
-    def _replay_grammar(self, request: Request) -> None:
-        """A migrated request's grammar, advanced through the output it already has."""
-        produced = request.output_token_ids
-        if not produced:
-            return
-        del request.token_ids[request.num_prompt_tokens :]
-        for token in produced:
-            request.token_ids.append(token)
-            self._follow_grammar(request, token)
 
     def _fail_step(self, chunks: list[ScheduledChunk], exc: Exception) -> list[RequestOutput]:
         log.exception("engine %d: a step of %d requests failed; failing those requests and serving on",
@@ -285,7 +243,7 @@ class EngineCore:
         request = e.chunk.request
         request.token_ids.append(token)
         e.tokens.append(token)
-        reason, stop_token, error = self._follow_grammar(request, token) if request.grammar else (None, None, None)
+        reason, stop_token, error = self.constraints.follow(request, token) if request.grammar else (None, None, None)
         if reason is None:
             reason, stop_token = self._finish_reason(request, token)
         e.reason, e.stop_token, e.error = reason, stop_token, error
@@ -316,26 +274,6 @@ class EngineCore:
             output.queued_s = round(request.scheduled_at - request.arrived_at, 6)
             output.prefill_s = round(time.monotonic() - request.scheduled_at, 6)
         return output
-
-    def _follow_grammar(self, request: Request, token: int) -> tuple[str | None, int | None, str | None]:
-        """Advance the request's grammar by the token it sampled: (finish reason, stop token, error)."""
-        if request.opening:
-            output, opener = request.output_token_ids, request.params.constraint.opener
-            if output == opener[: len(output)]:  # thinking: the grammar waits for `after`
-                request.opening = len(output) < len(opener)
-                return None, None, None
-            request.opening, request.grammar_started = False, True  # no opener: the token is the grammar's
-        elif not request.grammar_started:
-            after = request.params.constraint.after
-            request.grammar_started = request.output_token_ids[-len(after):] == after
-            return None, None, None
-        if not request.grammar.accept(token):  # the mask allowed it, so only an engine bug gets here
-            log.error("engine %d: request %s sampled token %d, which its grammar rejects", self.rank,
-                      request.request_id, token)
-            return "error", None, f"engine {self.rank}: the output left the request's grammar at token {token}"
-        if request.grammar.done:  # complete, and nothing may follow
-            return "stop", token if token in self.eos_token_ids or token in request.stop_ids else None, None
-        return None, None, None
 
     def _finish_reason(self, request: Request, token: int) -> tuple[str | None, int | None]:
         if token in request.stop_ids or (token in self.eos_token_ids and not request.params.ignore_eos):
