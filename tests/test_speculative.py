@@ -15,7 +15,7 @@ from hybridlb.config import EngineConfig, SpeculativeConfig
 from hybridlb.engine.block_manager import BlockManager
 from hybridlb.engine.request import Request
 from hybridlb.engine.scheduler import Scheduler
-from hybridlb.engine.speculative import FREE_DRAFT_BATCH, NgramProposer, SpecStats
+from hybridlb.engine.speculative import FREE_DRAFT_BATCH, NgramProposer
 from hybridlb.protocol import SamplingParams
 
 
@@ -111,7 +111,6 @@ def test_drafts_that_keep_missing_back_off_in_large_batches():
     before drafting again when more than FREE_DRAFT_BATCH requests run; below that it always
     drafts (rows are nearly free); a hit resets it."""
     proposer = _proposer(k=2, longest=2, shortest=2)
-    stats = SpecStats()
     request = Request("a", [1, 2, 3, 1, 2], SamplingParams(max_tokens=50), 50, None)
     big = FREE_DRAFT_BATCH + 1
 
@@ -119,11 +118,11 @@ def test_drafts_that_keep_missing_back_off_in_large_batches():
         return [bool(proposer.draft(request, 10, batch)) for _ in range(steps)]
 
     assert drafts(1, big) == [True]
-    stats.checked(request, accepted=0)
+    proposer.checked(request, accepted=0)
     assert drafts(2, big) == [False, True]  # waited 1 step
-    stats.checked(request, accepted=0)
+    proposer.checked(request, accepted=0)
     assert drafts(4, big) == [False, False, False, True]  # then 3
-    stats.checked(request, accepted=0)
+    proposer.checked(request, accepted=0)
     assert drafts(1, 1) == [True]  # a small batch drafts anyway
-    stats.checked(request, accepted=1)
+    proposer.checked(request, accepted=1)
     assert drafts(2, big) == [True, True]

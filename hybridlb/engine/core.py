@@ -227,7 +227,7 @@ class EngineCore:
         drafted = [e for e in emitted if e.chunk.draft]
         self._verify_drafts(drafted)
         for e in drafted:
-            self.scheduler.spec_stats.checked(e.chunk.request, len(e.tokens) - 1)
+            self.scheduler.proposer.checked(e.chunk.request, len(e.tokens) - 1)
         outputs = []
         for e in emitted:
             request = e.chunk.request

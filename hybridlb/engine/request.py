@@ -65,7 +65,7 @@ class Request:
         # Tokens masked until min_tokens are out (eos and stop_token_ids), set by the engine.
         self.min_tokens_banned: list[int] = []
         # Speculative decoding: drafts in a row whose first token was rejected, and decode steps
-        # to go before the next draft (see SpecStats.checked).
+        # to go before the next draft (see NgramProposer.checked).
         self.draft_misses = 0
         self.draft_wait = 0
 

@@ -53,6 +53,14 @@ class NgramProposer:
                 return []
         return self.propose(request.token_ids, most)
 
+    def checked(self, request: Request, accepted: int) -> None:
+        """After a draft of ``request`` was checked: back off after a miss, reset after a hit."""
+        if accepted:
+            request.draft_misses = request.draft_wait = 0
+            return
+        request.draft_misses += 1
+        request.draft_wait = min(2**request.draft_misses - 1, MAX_WAIT)
+
     def propose(self, token_ids: list[int], most: int) -> list[int]:
         """Up to ``min(k, most)`` tokens that followed the latest earlier occurrence of the
         longest matching suffix of ``token_ids``; [] if no suffix of at least
@@ -85,14 +93,6 @@ class SpecStats:
     def proposed(self, length: int) -> None:
         self.drafts += 1
         self.draft_tokens += length
-
-    def checked(self, request: Request, accepted: int) -> None:
-        """After a draft of ``request`` was checked: back off after a miss, reset after a hit."""
-        if accepted:
-            request.draft_misses = request.draft_wait = 0
-            return
-        request.draft_misses += 1
-        request.draft_wait = min(2**request.draft_misses - 1, MAX_WAIT)
 
     def accepted(self, position: int) -> None:
         self.accepted_tokens += 1
