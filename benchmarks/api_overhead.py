@@ -33,7 +33,8 @@ from hybridlb.api.http_server import run_api_server
 from hybridlb.bench.client import BenchArgs, run_benchmark, summarize
 from hybridlb.config import ApiConfig, Config, EngineConfig
 from hybridlb.engine.spawn import start_engine, stop_engines, wait_until_ready
-from hybridlb.protocol import AddRequest, EngineOutputs, Hello, SamplingParams, encoder, from_engine_decoder
+from hybridlb.params import SamplingParams
+from hybridlb.protocol import AddRequest, EngineOutputs, Hello, encoder, from_engine_decoder
 
 
 async def direct(address: str, prompts: list[list[int]], output_len: int, concurrency: int) -> float:

@@ -215,11 +215,13 @@ class Server:
 
 
 def drive(urls: list[str], model: str, vocab: int, input_len: int, output_len: int, num_prompts: int,
-          concurrency: int, seed: int = 1, prompts: list | None = None, max_tokens: list[int] | None = None) -> dict:
-    """Run one workload over ``urls`` (prompts spread evenly) and summarize it like bench serve."""
+          concurrency: int, seed: int = 1, prompts: list | None = None, max_tokens: list[int] | None = None,
+          models: list[str] | None = None) -> dict:
+    """Run one workload over ``urls`` (prompts spread evenly) and summarize it like bench serve;
+    ``models``: each request's model name (LoRA adapters), default ``model``."""
     args = BenchArgs(base_url=urls[0], model=model, random_input_len=input_len, random_output_len=output_len,
                      num_prompts=num_prompts, max_concurrency=concurrency, ignore_eos=True, progress=False,
                      seed=seed)
     prompts = prompts or make_prompts(args, vocab)
-    results, duration = asyncio.run(run_benchmark(args, prompts, urls=urls, max_tokens=max_tokens))
+    results, duration = asyncio.run(run_benchmark(args, prompts, urls=urls, max_tokens=max_tokens, models=models))
     return summarize(args, results, duration)

@@ -30,6 +30,7 @@ import report_sections as sections
 from common import script_hash
 from report_api import api_overhead, chat_ttft
 from report_bandwidth import quantized, speculative
+from report_lora import lora
 from report_routing import prefix_routing
 from report_sections import Page, generic
 from report_vs_vllm import vs_vllm
@@ -39,7 +40,7 @@ SECTIONS: dict[str, Callable[[Page, dict], str]] = {
     "dp_overhead": sections.dp_overhead, "moe_waves": sections.moe_waves, "up_time": sections.up_time,
     "load": sections.load, "soak": sections.soak, "control_plane": sections.control_plane,
     "prefix_routing": prefix_routing, "chat_ttft": chat_ttft, "quantized": quantized,
-    "speculative": speculative,
+    "speculative": speculative, "lora": lora,
 }
 
 BENCHMARKS: dict[str, tuple[str, str, str]] = {  # name: title, command, what it measures
@@ -86,6 +87,10 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {  # name: title, command, what it
                     "SmolLM2 bfloat16, one engine: hybridlb and vLLM, each without and with n-gram speculation "
                     "(4 tokens, n-grams of 2-4), on copy-heavy chats (concurrency 1 and 4) and random prompts "
                     "(1 and 16). Output tok/s, TPOT, the share of draft tokens accepted."),
+    "lora": ("LoRA adapters", "python benchmarks/lora.py",
+             "SmolLM2 bfloat16: throughput with 1, 4 and 8 distinct adapters in the batch against the base model "
+             "(one engine; hybridlb and, with `--vllm`, vLLM), and adapter-aware routing against least-loaded on a "
+             "DP=2 node with more adapters than its slots."),
     "control_plane": ("Control plane", "python benchmarks/control_plane.py",
                       "Simulated engines: coordinator publish latency at 64-512 engines, one API server's "
                       "request rate, dense DP overhead at 8 and 32 ranks."),

@@ -119,7 +119,7 @@ def compile_times() -> dict:
     from hybridlb.checkpoint.tokenizer import Tokenizer
     from hybridlb.config import StructuredOutputsConfig
     from hybridlb.grammar import GrammarCache, make_backend
-    from hybridlb.protocol import Constraint
+    from hybridlb.params import Constraint
 
     tokenizer = Tokenizer(SMOLLM2)
     words = (tokenizer.vocab_size + 31) // 32

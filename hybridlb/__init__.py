@@ -1,6 +1,6 @@
 """hybridlb: data-parallel LLM serving with per-node load balancing."""
 
-from hybridlb.protocol import Constraint, SamplingParams
+from hybridlb.params import Constraint, SamplingParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "Constraint", "SamplingParams", "__version__"]

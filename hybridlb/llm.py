@@ -12,7 +12,8 @@ from hybridlb.checkpoint.tokenizer import Tokenizer
 from hybridlb.config import EngineConfig
 from hybridlb.engine.core import make_core
 from hybridlb.grammar import check
-from hybridlb.protocol import SamplingParams, TokenLogprobs
+from hybridlb.params import SamplingParams
+from hybridlb.protocol import TokenLogprobs
 
 
 @dataclass

@@ -20,6 +20,13 @@ def hash_seed(model: str) -> int:
     return int.from_bytes(hashlib.blake2b(model.encode(), digest_size=8).digest(), "big")
 
 
+def adapter_seed(seed: int, key: str) -> int:
+    """The chain's first parent for a request run with the LoRA adapter ``key`` (LoRARequest.key)
+    on the model whose seed is ``seed``: an adapter's KV blocks never match the base model's or
+    another adapter's."""
+    return block_hash(seed, list(f"lora\0{key}".encode()))
+
+
 def block_hash(parent: int, token_ids: list[int]) -> int:
     digest = hashlib.blake2b(parent.to_bytes(8, "big"), digest_size=8)
     digest.update(array("I", token_ids).tobytes())

@@ -263,3 +263,16 @@ def test_multi_port_pods_publish_kv_events_under_llm_d_s_topic(tmp_path, tiny_qw
     assert shared["engine"]["kv_events"]["topic"] == "kv@${POD_IP}:{port}@{model}"  # each rank fills its port in
     container = docs[1]["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0]
     assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in container["env"]
+
+
+def test_lora_adapters_ride_in_the_config_map_and_must_be_on_the_model_volume(tmp_path):
+    path = tmp_path / "lora.yaml"
+    path.write_text("engine: {model: /models/base, lora: {max_loras: 2, modules: [{name: sql, path: "
+                    "/models/base/adapters/sql}]}}\ndata_parallel: {size: 2, size_local: 1}\n")
+    docs = _documents(str(path), model_pvc="models")
+    lora = yaml.safe_load(docs[0]["data"]["config.yaml"])["engine"]["lora"]
+    assert lora == {"max_loras": 2, "modules": [{"name": "sql", "path": "/models/base/adapters/sql"}]}
+    path.write_text(path.read_text().replace("/models/base/adapters/sql", "/adapters/sql"))
+    with pytest.raises(RenderError, match=r"LoRA adapters sql lie outside the model volume, which pods mount at "
+                                          r"/models/base/; put them under it"):
+        _documents(str(path), model_pvc="models")

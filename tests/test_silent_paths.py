@@ -19,7 +19,7 @@ from hybridlb.engine.client import EngineClient
 from hybridlb.engine.core import SickEngine, make_core
 from hybridlb.engine.shell import EngineFailed, EngineShell
 from hybridlb.engine.spawn import start_engine, stop_engines, wait_until_ready
-from hybridlb.protocol import SamplingParams
+from hybridlb.params import SamplingParams
 
 LONG = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
 SHORT = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)

@@ -11,7 +11,7 @@ import pytest
 
 from hybridlb.config import ConfigError, EngineConfig, parse_config
 from hybridlb.engine.core import SimulatedCore, make_core
-from hybridlb.protocol import SamplingParams
+from hybridlb.params import SamplingParams
 from tests.servers import Server, completion, free_port_range, start_servers
 
 

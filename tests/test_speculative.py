@@ -16,7 +16,7 @@ from hybridlb.engine.block_manager import BlockManager
 from hybridlb.engine.request import Request
 from hybridlb.engine.scheduler import Scheduler
 from hybridlb.engine.speculative import FREE_DRAFT_BATCH, NgramProposer
-from hybridlb.protocol import SamplingParams
+from hybridlb.params import SamplingParams
 
 
 def _proposer(k=4, longest=3, shortest=2) -> NgramProposer:

@@ -25,6 +25,7 @@ from hybridlb.api.engine_client import EngineConnection
 from hybridlb.api.errors import install_error_handlers
 from hybridlb.api.guard import RequestGuard
 from hybridlb.api.logprobs import LogprobFormatter
+from hybridlb.api.lora import AdapterRegistry, runtime_updates_allowed
 from hybridlb.api.metrics import Metrics
 from hybridlb.api.pool import EnginePool
 from hybridlb.api.runner import RequestRunner
@@ -98,11 +99,13 @@ def create_app(config: Config, spec: ApiServerSpec, on_ready: Callable[[], None]
     """An API server over the engines in ``spec``; ``on_ready`` runs once they all are;
     ``observer`` mirrors metrics elsewhere (see ``Metrics``)."""
     metrics = Metrics(config.served_model_name, observer,
-                      load_spec(config.engine.model).model_len(config.engine.max_model_len))
+                      load_spec(config.engine.model).model_len(config.engine.max_model_len),
+                      config.engine.lora.max_loras if config.engine.lora else 0)
     template = read_template_argument(config.api.chat_template) if config.api.chat_template else None
     tokenizer = Tokenizer(config.engine.model, template)
     ctx = ApiContext(config, spec, tokenizer, metrics, Slots(config.api.max_concurrent_requests),
-                     sampling_defaults(config.engine.model, config.api.generation_config), LogprobFormatter(tokenizer))
+                     sampling_defaults(config.engine.model, config.api.generation_config), LogprobFormatter(tokenizer),
+                     AdapterRegistry(config))
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -135,5 +138,5 @@ def create_app(config: Config, spec: ApiServerSpec, on_ready: Callable[[], None]
     api_key = config.api.api_key or os.environ.get("HYBRIDLB_API_KEY") or os.environ.get("VLLM_API_KEY")
     app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=config.api.max_body_bytes, slots=ctx.slots,
                        body_timeout_s=config.api.body_timeout_s)
-    routes.install(app)
+    routes.install(app, runtime_lora=config.engine.lora is not None and runtime_updates_allowed())
     return app

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from hybridlb.api.errors import APIError
 from hybridlb.api.schemas import MAX_TOOLS, SamplingRequest, Text
-from hybridlb.protocol import MAX_LOGPROBS
+from hybridlb.params import MAX_LOGPROBS
 
 
 class TextPart(BaseModel):

@@ -20,7 +20,7 @@ from hybridlb.api.errors import APIError
 from hybridlb.api.tools import ToolParser, make_parser
 from hybridlb.api.tools.forced import NamedParser, RequiredParser, arguments_schema, named_schema, required_schema
 from hybridlb.config import ApiConfig, StructuredOutputsConfig
-from hybridlb.protocol import Constraint
+from hybridlb.params import Constraint
 
 
 @dataclass

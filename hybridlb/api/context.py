@@ -17,6 +17,7 @@ from hybridlb.api.errors import APIError
 if TYPE_CHECKING:
     from hybridlb.api.admission import Slots
     from hybridlb.api.logprobs import LogprobFormatter
+    from hybridlb.api.lora import AdapterRegistry
     from hybridlb.api.metrics import Metrics
     from hybridlb.api.pool import EnginePool
     from hybridlb.api.runner import RequestRunner
@@ -51,6 +52,7 @@ class ApiContext:
     slots: Slots
     sampling_defaults: dict  # the model's generation_config.json, for fields a request leaves unset
     logprob_format: LogprobFormatter
+    adapters: AdapterRegistry
     pool: EnginePool | None = None
     runner: RequestRunner | None = None
 
@@ -71,8 +73,8 @@ class ApiContext:
     def serving(self, model: str | None) -> EnginePool:
         """The engines, for a request naming ``model`` (None: a tokenizer call that names none):
         404 for a model this server does not serve, 503 until every engine said ready."""
-        if model is not None and model not in self.served_names:
-            served = ", ".join(f"`{n}`" for n in self.served_names)
+        if model is not None and model not in self.served_names and self.adapters.get(model) is None:
+            served = ", ".join(f"`{n}`" for n in self.served_names + list(self.adapters.adapters))
             raise APIError(404, f"the model `{model}` does not exist; this server serves {served}",
                            param="model", code="model_not_found")
         if not self.pool.started:

@@ -28,6 +28,7 @@ from zmq.utils.monitor import parse_monitor_message
 from hybridlb import lifecycle
 from hybridlb.api.balance import RankView, load_score
 from hybridlb.api.prefix_index import PrefixIndex
+from hybridlb.params import SamplingParams
 from hybridlb.protocol import (
     AbortRequests,
     AddRequest,
@@ -36,7 +37,6 @@ from hybridlb.protocol import (
     EngineStats,
     Hello,
     RequestOutput,
-    SamplingParams,
     encoder,
     error_text,
     from_engine_decoder,
@@ -51,6 +51,7 @@ _HEARTBEAT_TIMEOUT_MS = 5000
 # loop is, so only a frozen or hung process misses them; find it sooner than across a network.
 _LOCAL_HEARTBEAT_MS = 500
 _LOCAL_HEARTBEAT_TIMEOUT_MS = 2000
+ADAPTER_SENT_S = 2.0  # a rank sent a LoRA request this recently counts as holding the adapter
 STALL_GRACE_S = 0.5  # a watchdog tick this late means the API server itself was not running
 
 
@@ -85,6 +86,7 @@ class EngineConnection:
         # request id -> its prompt tokens the engine still has to prefill (as estimated when
         # sent), until its first output: the queue a new prompt's first token waits behind
         self.prefilling: dict[str, int] = {}
+        self.adapters_sent: dict[str, float] = {}  # LoRA adapter -> when this server last sent a request for it
         self.info: EngineReady | None = None
         self.alive = False
         self.stats: EngineStats | None = None
@@ -130,6 +132,8 @@ class EngineConnection:
         self.streams[request_id] = queue
         self.prefilling[request_id] = max(0, len(prompt_token_ids) + len(resumed) - cached_tokens)
         self._send(AddRequest(request_id, prompt_token_ids, params, wave, resumed))
+        if params.lora is not None:
+            self.adapters_sent[params.lora.name] = time.monotonic()
         return queue
 
     def release(self, request_id: str, abort: bool) -> None:
@@ -236,9 +240,21 @@ class EngineConnection:
         """Load for balancing (``balance.load_score``)."""
         return load_score(*self._reported, len(self.streams))
 
+    @property
+    def requests(self) -> int:
+        """Requests on the rank: its stats' waiting + running, or this server's in flight if more."""
+        return max(sum(self._reported), len(self.streams))
+
+    def adapters(self) -> set[str]:
+        """The LoRA adapters the rank holds by its latest stats, and those it will: this server
+        sent it a request for them in the last ADAPTER_SENT_S (stats lag behind)."""
+        now = time.monotonic()
+        recent = {name for name, sent in self.adapters_sent.items() if now - sent < ADAPTER_SENT_S}
+        return recent | set(self.stats.lora_loaded if self.stats is not None else ())
+
     def cache_view(self, hashes: list[int]) -> RankView:
         """What ``cache_aware`` weighs for this rank, for a prompt with block ``hashes``."""
-        return RankView(requests=max(sum(self._reported), len(self.streams)),
+        return RankView(requests=self.requests,
                         prefill_tokens=sum(self.prefilling.values()),
                         cached_tokens=self.cached_tokens(hashes),
                         pressure=len(self.prefix) / self.prefix.capacity if self.prefix is not None else 0.0)

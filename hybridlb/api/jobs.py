@@ -25,7 +25,7 @@ from hybridlb.api.context import ApiContext
 from hybridlb.api.errors import APIError
 from hybridlb.api.reasoning import reasoning_ended, reasoning_opened
 from hybridlb.api.schemas import MAX_PROMPTS, CompletionRequest, SamplingRequest
-from hybridlb.protocol import MAX_BAD_WORDS, Constraint, SamplingParams
+from hybridlb.params import MAX_BAD_WORDS, Constraint, SamplingParams
 
 INLINE_BODY_BYTES = 16 * 2**10  # smaller bodies are tokenized on the event loop (a thread hop costs more)
 _preparer = ThreadPoolExecutor(1, thread_name_prefix="prepare")  # one at a time: the GIL serializes them anyway
@@ -85,6 +85,8 @@ def _params(ctx: ApiContext, body: SamplingRequest, ids: list[int], requested: i
                             "shorten the prompt or lower max_tokens", param="max_tokens")
     params = body.sampling_params(requested, ctx.sampling_defaults)
     extra: dict = {}
+    if (lora := ctx.adapters.get(body.model)) is not None:
+        extra["lora"] = lora
     if constraint is not None:
         extra["constraint"] = constraint
     if body.bad_words:

@@ -16,10 +16,11 @@ show the most recent value any of them saw.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
@@ -106,11 +107,15 @@ class EngineTotals(Collector):
         ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", "spec_drafts"),
         ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", "spec_draft_tokens"),
         ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", "spec_accepted_tokens"),
+        ("hybridlb:lora_adapter_loads", "LoRA adapters loaded into one of the engine's slots (a miss of "
+         "adapter-aware routing, or a first use).", "lora_loads"),
     )
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, max_loras: int = 0):
         self.model_name = model_name
+        self.max_loras = max_loras  # LoRA: adapters per engine (0: LoRA off, no lora_requests_info)
         self.stats: dict[int, EngineStats] = {}
+        self.stats_at: dict[int, float] = {}  # when each engine's stats arrived (lora_requests_info's value)
 
     def collect(self):
         for name, help_, field in self.COUNTERS:
@@ -124,10 +129,24 @@ class EngineTotals(Collector):
             for position, accepted in enumerate(stats.spec_accepted_per_pos):
                 family.add_metric([self.model_name, str(rank), str(position)], accepted)
         yield family
+        if self.max_loras:
+            yield self._lora_info()
+
+    def _lora_info(self) -> GaugeMetricFamily:
+        """vLLM's ``vllm:lora_requests_info``, one series per rank (so llm-d's LoRA scorer reads
+        each rank's adapters, not a mix): the adapters its running and waiting requests use."""
+        family = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                                   labels=["model_name", "engine", "max_lora", "running_lora_adapters",
+                                           "waiting_lora_adapters"])
+        for rank, stats in sorted(self.stats.items()):
+            family.add_metric([self.model_name, str(rank), str(self.max_loras), ",".join(stats.lora_running),
+                               ",".join(stats.lora_waiting)], self.stats_at.get(rank, 0.0))
+        return family
 
 
 class Metrics:
-    def __init__(self, model_name: str, observer=None, max_model_len: int = DEFAULT_MAX_MODEL_LEN):
+    def __init__(self, model_name: str, observer=None, max_model_len: int = DEFAULT_MAX_MODEL_LEN,
+                 max_loras: int = 0):
         # observer: also told of first tokens, finishes and engine stats (the Ray dashboard mirror)
         self.observer = observer
         self.model_name = model_name
@@ -135,7 +154,7 @@ class Metrics:
         self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
         # In multiprocess mode values live in files and a collector reads them all at scrape time.
         self.registry = CollectorRegistry()
-        self.totals = EngineTotals(model_name)
+        self.totals = EngineTotals(model_name, max_loras)
         r = None if self.multiprocess else self.registry
         labels = ["model_name", "engine"]
         gauge = {"multiprocess_mode": "mostrecent"} if self.multiprocess else {}
@@ -213,6 +232,7 @@ class Metrics:
         self.of(self.dummy_steps, rank).set(stats.dummy_steps)
         self.of(self.collective, rank).set(stats.collective_s)
         self.totals.stats[stats.rank] = stats
+        self.totals.stats_at[stats.rank] = time.time()
 
     def update_waves(self, snapshot: LoadSnapshot) -> None:
         self.wave.labels(model_name=self.model_name).set(snapshot.current_wave)

@@ -16,11 +16,12 @@ import logging
 import time
 
 from hybridlb.api.admission import RETRY_AFTER_S
-from hybridlb.api.balance import choose_cache_aware, choose_engine
+from hybridlb.api.balance import MAX_LOAD_GAP, choose_cache_aware, choose_engine
 from hybridlb.api.engine_client import EngineConnection, EngineUnavailable
 from hybridlb.api.errors import APIError
-from hybridlb.prefix_hash import block_hashes
-from hybridlb.protocol import LoadSnapshot, SamplingParams
+from hybridlb.params import LoRARequest, SamplingParams
+from hybridlb.prefix_hash import adapter_seed, block_hashes
+from hybridlb.protocol import LoadSnapshot
 
 log = logging.getLogger(__name__)
 COORDINATOR_SILENCE_S = 3.0  # three missed coordinator heartbeats
@@ -135,9 +136,10 @@ class EnginePool:
                tried: set[int], resumed: list[int] | None = None) -> tuple[EngineConnection, asyncio.Queue]:
         """Pick an engine not tried yet and send the request (``resumed``: a migrated one's
         output so far); raise APIError(503) when none is left."""
-        hashes = self._block_hashes(prompt_ids + resumed if resumed else prompt_ids)
+        hashes = self._block_hashes(prompt_ids + resumed if resumed else prompt_ids, params.lora)
+        adapter = params.lora.name if params.lora is not None else None
         while True:
-            engine = self.pick(rank, frozenset(tried), hashes, len(prompt_ids))
+            engine = self.pick(rank, frozenset(tried), hashes, len(prompt_ids), adapter)
             tried.add(engine.rank)
             try:
                 queue = engine.add(request_id, prompt_ids, params, self.wave, engine.cached_tokens(hashes), resumed)
@@ -148,20 +150,23 @@ class EnginePool:
                 if rank is not None:
                     raise APIError(503, str(exc)) from None
 
-    def _block_hashes(self, prompt_ids: list[int]) -> list[int]:
+    def _block_hashes(self, prompt_ids: list[int], lora: LoRARequest | None) -> list[int]:
         """The prompt's full-block hashes as the engines compute them (their cache is keyed
-        by these), for ``cache_aware``; none for other policies or when no local engine
-        caches prefixes."""
+        by these; an adapter's chain starts from its own seed), for ``cache_aware``; none for
+        other policies or when no local engine caches prefixes."""
         info = next((e.info for e in self.engines if e.prefix is not None and e.info is not None), None)
         if info is None or self.policy != "cache_aware" or len(self.engines) == 1:
             return []
-        return block_hashes(prompt_ids, info.block_size, info.block_hash_seed)
+        seed = info.block_hash_seed if lora is None else adapter_seed(info.block_hash_seed, lora.key)
+        return block_hashes(prompt_ids, info.block_size, seed)
 
     def pick(self, rank: int | None = None, exclude: frozenset[int] = frozenset(),
-             hashes: list[int] = (), prompt_tokens: int = 0) -> EngineConnection:
+             hashes: list[int] = (), prompt_tokens: int = 0, adapter: str | None = None) -> EngineConnection:
         """The engine for a new request: ``rank`` if pinned, else by the policy among the live
         ones (``cache_aware`` weighs what each rank holds of the prompt's ``hashes`` against its
-        load and its queue of prompts to prefill). ``rank`` is a global one (``resolve_rank``)."""
+        load and its queue of prompts to prefill, and sends a request for LoRA ``adapter`` to a
+        rank holding it when one is within MAX_LOAD_GAP requests of the least loaded, see
+        ``prefer_holders``). ``rank`` is a global one (``resolve_rank``)."""
         if (outage := self.outage()) is not None:
             raise APIError(503, outage)
         if rank is not None:
@@ -172,6 +177,8 @@ class EnginePool:
                 raise APIError(503, "no engine is available on this node")
             if all(engine.queue_full for engine in live):
                 raise all_busy()
+            if adapter is not None and self.policy == "cache_aware":
+                live = prefer_holders(live, adapter)
             turn = next(self._turn)
             if self.policy == "round_robin":
                 engine = live[turn % len(live)]
@@ -182,6 +189,24 @@ class EnginePool:
         if not engine.alive:
             raise APIError(503, f"engine {engine.rank} is not available")
         return engine
+
+
+def prefer_holders(live: list[EngineConnection], adapter: str) -> list[EngineConnection]:
+    """The ranks a request for LoRA ``adapter`` may go to. Among those within MAX_LOAD_GAP
+    requests of the least loaded (the gap ``cache_aware`` allows a cached prefix): the ones
+    holding the adapter; if none does, the ones holding the fewest adapters (a free slot evicts
+    nothing, and a node's adapters spread over its ranks). A hot adapter whose holders are all
+    further above the least loaded rank than the gap spreads to it."""
+    floor = min(engine.requests for engine in live)
+    near = [e for e in live if e.requests <= floor + MAX_LOAD_GAP and not e.queue_full]
+    if not near:
+        return live
+    held = {e.rank: e.adapters() for e in near}
+    holders = [e for e in near if adapter in held[e.rank]]
+    if holders:
+        return holders
+    fewest = min(len(names) for names in held.values())
+    return [e for e in near if len(held[e.rank]) == fewest]
 
 
 def all_busy() -> APIError:

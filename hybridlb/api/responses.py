@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from hybridlb.api.context import ApiContext
 from hybridlb.api.errors import APIError
 from hybridlb.api.jobs import Job
-from hybridlb.protocol import SamplingParams
+from hybridlb.params import SamplingParams
 
 log = logging.getLogger(__name__)
 _json = msgspec.json.Encoder()

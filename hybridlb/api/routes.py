@@ -19,6 +19,7 @@ from hybridlb.api.context import ApiContext
 from hybridlb.api.engine_client import EngineConnection
 from hybridlb.api.errors import APIError, error_response
 from hybridlb.api.jobs import chat_job, completion_job, prepare
+from hybridlb.api.lora import RUNTIME_ROUTES
 from hybridlb.api.responses import respond
 from hybridlb.api.schemas import CompletionRequest
 from hybridlb.api.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize, tokenizer_info
@@ -61,6 +62,7 @@ async def models(ctx: Context):
     config = ctx.config
     cards = [{"id": served, "object": "model", "created": int(time.time()), "owned_by": "hybridlb",
               "root": config.engine.model, "max_model_len": limit} for served in ctx.served_names]
+    cards += ctx.adapters.cards()
     if config.engine.simulate is not None:  # never let a benchmark pass for the model's speed
         for card in cards:
             card["simulated"] = f"SIMULATED engines: {config.engine.simulate.step_ms:g} ms per step, no model"
@@ -135,9 +137,10 @@ ROUTES = (
 )
 
 
-def install(app: FastAPI) -> None:
-    """Add every route to ``app`` (whose ``state.context`` is the ApiContext they take)."""
-    for path, methods, handler in ROUTES:
+def install(app: FastAPI, runtime_lora: bool = False) -> None:
+    """Add every route to ``app`` (whose ``state.context`` is the ApiContext they take); with
+    ``runtime_lora``, vLLM's endpoints that load and unload LoRA adapters too."""
+    for path, methods, handler in ROUTES + (RUNTIME_ROUTES if runtime_lora else ()):
         app.add_api_route(path, handler, methods=methods)
 
 
@@ -159,4 +162,5 @@ def _engine_view(engine: EngineConnection) -> dict:
         if stats and stats.prefix_queries else 0.0,
         "in_flight_here": engine.in_flight, "score": engine.score,
         "dp_group": info.dp_group if info else None,
+        "lora_adapters": stats.lora_loaded if stats else [],
     }

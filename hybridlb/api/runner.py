@@ -28,7 +28,8 @@ from hybridlb.api.metrics import Finished, Metrics
 from hybridlb.api.pool import EnginePool, all_busy
 from hybridlb.checkpoint.detokenizer import IncrementalDetokenizer, visible
 from hybridlb.checkpoint.tokenizer import Tokenizer
-from hybridlb.protocol import RequestOutput, SamplingParams, TokenLogprobs
+from hybridlb.params import SamplingParams
+from hybridlb.protocol import RequestOutput, TokenLogprobs
 
 log = logging.getLogger(__name__)
 _ERROR_STATUS = {"invalid": 400, "busy": 429, "internal": 500}

@@ -16,7 +16,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from hybridlb.api.errors import APIError
 from hybridlb.checkpoint.generation_config import SAMPLING_KEYS
-from hybridlb.protocol import MAX_LOGPROBS, SamplingParams
+from hybridlb.params import MAX_LOGPROBS, SamplingParams
 
 MAX_PROMPTS = 1024  # prompts in one completion request (each becomes an engine request)
 MAX_STOP = 64  # stop strings per request

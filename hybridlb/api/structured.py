@@ -17,7 +17,7 @@ from hybridlb.api.errors import APIError
 from hybridlb.api.schemas import SamplingRequest
 from hybridlb.config import StructuredOutputsConfig
 from hybridlb.grammar import GrammarError, check
-from hybridlb.protocol import Constraint
+from hybridlb.params import Constraint
 
 ANY_JSON_OBJECT = '{"type": "object"}'
 

@@ -71,8 +71,8 @@ def make_prompts(args: BenchArgs, vocab_size: int, decode=None) -> list[list[int
 
 
 async def _one(client: httpx.AsyncClient, args: BenchArgs, prompt, start_of_run: float, url: str,
-               max_tokens: int) -> RequestResult:
-    body = {"model": args.model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+               max_tokens: int, model: str | None = None) -> RequestResult:
+    body = {"model": model or args.model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
             "stream_options": {"include_usage": True}, "temperature": 0.0, "ignore_eos": args.ignore_eos}
     result = RequestResult(prompt_tokens=len(prompt) if isinstance(prompt, list) else 0)
     sent = time.perf_counter()
@@ -117,8 +117,10 @@ def _intervals(rate: float, count: int, seed: int) -> list[float]:
 
 
 async def run_benchmark(args: BenchArgs, prompts: list, urls: list[str] | None = None,
-                        max_tokens: list[int] | None = None) -> tuple[list[RequestResult], float]:
-    """Send every prompt (request ``i`` to ``urls[i % len(urls)]``, default the base URL)."""
+                        max_tokens: list[int] | None = None,
+                        models: list[str] | None = None) -> tuple[list[RequestResult], float]:
+    """Send every prompt (request ``i`` to ``urls[i % len(urls)]``, default the base URL; naming
+    ``models[i]``, default ``args.model``: a LoRA adapter per request)."""
     urls = urls or [args.base_url]
     max_tokens = max_tokens or [args.random_output_len] * len(prompts)
     limit = args.max_concurrency or len(prompts)
@@ -130,7 +132,8 @@ async def run_benchmark(args: BenchArgs, prompts: list, urls: list[str] | None =
     async def guarded(index: int, prompt) -> RequestResult:
         nonlocal done
         async with semaphore:
-            result = await _one(client, args, prompt, start, urls[index % len(urls)], max_tokens[index])
+            result = await _one(client, args, prompt, start, urls[index % len(urls)], max_tokens[index],
+                                models[index] if models else None)
         done += 1
         if args.progress:
             print(f"\r{done}/{len(prompts)} requests", end="", file=sys.stderr, flush=True)

@@ -17,7 +17,7 @@ request runner and the offline ``LLM``).
 from __future__ import annotations
 
 from hybridlb.checkpoint.tokenizer import Tokenizer
-from hybridlb.protocol import SamplingParams
+from hybridlb.params import SamplingParams
 
 _PROMPT_CONTEXT = 6
 _REPLACEMENT = "\ufffd"

@@ -48,7 +48,7 @@ def generate(
     """Generate offline, in this process, for one or more prompts."""
     from hybridlb.checkpoint.spec import CheckpointError
     from hybridlb.llm import LLM
-    from hybridlb.protocol import SamplingParams
+    from hybridlb.params import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                             seed=seed, stop=stop or [], ignore_eos=ignore_eos)

@@ -135,6 +135,28 @@ def json_flag(name: str, text: str | None) -> dict | None:
     return value
 
 
+def lora_flags(enable: bool, modules: list[str] | None, **limits: int | None) -> dict | None:
+    """engine.lora from --enable-lora, --lora-modules (name=path or vLLM's JSON form) and the
+    --max-lora* limits; None when none is given (the config file decides)."""
+    given = {key: value for key, value in limits.items() if value is not None}
+    if not enable:
+        if modules or given:
+            flags = ["--lora-modules"] * bool(modules) + [f"--{key.replace('_', '-')}" for key in given]
+            fail(f"{', '.join(flags)} needs --enable-lora; add it")
+        return None
+    entries = []
+    for text in modules or []:
+        if text.lstrip().startswith("{"):
+            entry = json_flag("--lora-modules", text)
+        else:
+            name, equals, path = text.partition("=")
+            if not equals or not name or not path:
+                fail(f"--lora-modules {text!r}: write name=path (or JSON with name, path, base_model_name)")
+            entry = {"name": name, "path": path}
+        entries.append(entry)
+    return {"modules": entries, **given}
+
+
 def build_config(config: Path | None, model: str | None, overrides: dict[str, dict]) -> Config:
     """A Config from an optional YAML file, with ``--model`` and other flags on top.
 
@@ -204,3 +226,18 @@ def check_model_options(cfg: Config) -> None:
         sampling_defaults(cfg.engine.model, cfg.api.generation_config)
     except CheckpointError as exc:
         fail(str(exc))
+    check_lora_modules(cfg)
+
+
+def check_lora_modules(cfg: Config) -> None:
+    """Fail before anything starts on an adapter (--lora-modules) the engines could not serve."""
+    from hybridlb.checkpoint.lora import AdapterError, check_adapter
+
+    lora = cfg.engine.lora
+    for module in lora.modules if lora else []:
+        if module.name in cfg.served_model_names:
+            fail(f"--lora-modules {module.name}: that is the base model's served name; give the adapter another")
+        try:
+            check_adapter(module.path, cfg.engine.model, lora.max_lora_rank)
+        except AdapterError as exc:
+            fail(f"--lora-modules {module.name}: {exc}")

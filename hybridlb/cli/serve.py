@@ -17,6 +17,7 @@ from hybridlb.cli.options import (
     ensure_checkpoint,
     fail,
     json_flag,
+    lora_flags,
     parallel_overrides,
     plan_of,
     served_names,
@@ -88,6 +89,15 @@ def serve(
     speculative_config: Annotated[str | None, vllm_option(
         help="Speculative decoding as JSON, vLLM's keys, e.g. '{\"method\": \"ngram\", "
              "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}'.")] = None,
+    enable_lora: Annotated[bool, vllm_option(
+        "--enable-lora", help="Serve LoRA adapters: a request names one in `model` (see docs/lora.md).")] = False,
+    lora_modules: Annotated[list[str] | None, vllm_option(
+        help="Adapters served from the start: name=path, or JSON {\"name\", \"path\", \"base_model_name\"}; "
+             "repeat it, or list several after it as vLLM does.")] = None,
+    max_loras: Annotated[int | None, vllm_option(help="Adapters one engine holds at once (default 1).")] = None,
+    max_lora_rank: Annotated[int | None, vllm_option(help="Highest adapter rank accepted (default 16).")] = None,
+    max_cpu_loras: Annotated[int | None, vllm_option(
+        help="Adapters an engine keeps read in memory (default: --max-loras).")] = None,
     seed: Annotated[int | None, vllm_option()] = None,
     torch_threads: Annotated[int | None, typer.Option(help="Threads per engine (0: split the cores).")] = None,
     share_cores: Annotated[bool | None, typer.Option(
@@ -128,6 +138,8 @@ def serve(
                        kv_events=json_flag("--kv-events-config", kv_events_config),
                        structured_outputs=json_flag("--structured-outputs-config", structured_outputs_config),
                        speculative=json_flag("--speculative-config", speculative_config),
+                       lora=lora_flags(enable_lora, lora_modules, max_loras=max_loras, max_lora_rank=max_lora_rank,
+                                       max_cpu_loras=max_cpu_loras),
                        expert_parallel=enable_expert_parallel, async_dp_coordination=async_dp_coordination,
                        dp_timeout_s=dp_timeout, simulate=_simulate_flags(simulate_step_ms, simulate_per_token_ms)),
         "api": dict(host=host, port=port, served_model_name=served_names(served_model_name), api_key=api_key,
@@ -196,6 +208,8 @@ def _engine_summary(cfg) -> str:
             + (f", weights {engine.quantization}" if engine.quantization else "")
             + (f", speculative {engine.speculative.method} x{engine.speculative.num_speculative_tokens}"
                if engine.speculative else "")
+            + (f", LoRA ({len(engine.lora.modules)} adapters, {engine.lora.max_loras} per engine)"
+               if engine.lora else "")
             + f", max_model_len {max_len}" + ("" if engine.max_model_len else " (the model's)"))
 
 

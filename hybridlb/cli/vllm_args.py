@@ -63,8 +63,8 @@ UNSUPPORTED = {
     "--data-parallel-backend": "only `mp` here; for Ray use `hybridlb up config.yaml`",
     "--kv-cache-dtype": "the KV cache is kept in the model's dtype; drop the flag",
     "--kv-transfer-config": "disaggregated prefill/decode (KV transfer) is not implemented; drop the flag",
-    "--enable-lora": "LoRA adapters are not implemented; drop the flag",
-    "--lora-modules": "LoRA adapters are not implemented; drop the flag",
+    "--fully-sharded-loras": "LoRA layers are not sharded here (one device per engine); drop the flag",
+    "--lora-dtype": "adapters run in the model's dtype; drop the flag",
     "--enable-eplb": "expert-parallel load balancing (EPLB) is not implemented; drop the flag",
     "--eplb-config": "expert-parallel load balancing (EPLB) is not implemented; drop the flag",
     "--async-scheduling": "hybridlb's engine schedules in its own loop; drop the flag",
@@ -142,13 +142,14 @@ def translate(args: list[str]) -> tuple[list[str], list[str]]:
         elif flag in UNSUPPORTED:
             cursor.value(inline)
             problems.append(f"{flag}: {UNSUPPORTED[flag]}")
-        elif flag == "--served-model-name":  # vLLM takes several names after one flag
-            names = [inline] if inline is not None else []
-            while (name := cursor.value(None)) is not None:
-                names.append(name)
-            if not names:
-                problems.append("--served-model-name: give at least one name")
-            out += [part for name in names for part in ("--served-model-name", name)]
+        elif flag in ("--served-model-name", "--lora-modules"):  # vLLM takes several values after one flag
+            values = [inline] if inline is not None else []
+            while (value := cursor.value(None)) is not None:
+                values.append(value)
+            if not values:
+                problems.append(f"{flag}: give at least one " + ("name" if flag == "--served-model-name" else
+                                                                 "adapter (name=path)"))
+            out += [part for value in values for part in (flag, value)]
         elif flag == "--dtype":
             given = cursor.value(inline)
             if given in DTYPES:

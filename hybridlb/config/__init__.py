@@ -23,6 +23,8 @@ from hybridlb.config.engine import (
     MODEL_ALIASES,
     EngineConfig,
     KVEventsConfig,
+    LoRAConfig,
+    LoRAModuleConfig,
     MakeModelConfig,
     SimulateConfig,
     SpeculativeConfig,
@@ -32,7 +34,8 @@ from hybridlb.config.engine import (
 )
 
 __all__ = ["MODEL_ALIASES", "ApiConfig", "Config", "ConfigError", "DataParallelConfig", "EngineConfig",
-           "KVEventsConfig", "LoadBalancingConfig", "MakeModelConfig", "NodeConfig", "RayConfig", "SimulateConfig",
+           "KVEventsConfig", "LoRAConfig", "LoRAModuleConfig",
+           "LoadBalancingConfig", "MakeModelConfig", "NodeConfig", "RayConfig", "SimulateConfig",
            "SpeculativeConfig", "StructuredOutputsConfig", "check_kv_cache_fits", "load_config", "model_own_name",
            "parse_config"]
 

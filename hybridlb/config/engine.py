@@ -153,6 +153,45 @@ class SpeculativeConfig(_Section):
         return self
 
 
+class LoRAModuleConfig(_Section):
+    """One LoRA adapter served from the start (vLLM's --lora-modules entry)."""
+
+    name: str = Field(min_length=1, max_length=128, pattern=r"^[^\s,]+$",
+                      description="The name requests give as `model` (no spaces or commas).")
+    path: str = Field(min_length=1, description="The adapter directory (peft's save_pretrained: "
+                      "adapter_config.json + adapter_model.safetensors).")
+    base_model_name: str | None = Field(None, description="The `parent` /v1/models shows; default: the first "
+                                        "served model name.")
+
+
+class LoRAConfig(_Section):
+    """LoRA adapters (vLLM's --enable-lora and its options): requests name an adapter in `model`;
+    requests for different adapters and for the base model share one batch."""
+
+    modules: list[LoRAModuleConfig] = Field(default_factory=list, description="Adapters served from the start "
+                                            "(--lora-modules); more can be loaded at run time (docs/lora.md).")
+    max_loras: int = Field(1, ge=1, le=64, description="Adapters one engine holds at once (one batch mixes at most "
+                           "this many); loading another evicts the least recently used idle one.")
+    max_lora_rank: int = Field(16, ge=1, le=512, description="Highest adapter rank accepted (slots are sized to it).")
+    max_cpu_loras: int | None = Field(None, ge=1, description="Adapters an engine keeps read in memory, held or "
+                                      "not (default: max_loras); must be at least max_loras.")
+
+    @model_validator(mode="after")
+    def _check(self) -> LoRAConfig:
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) is below max_loras ({self.max_loras}); raise it "
+                             "or leave it unset")
+        names = [m.name for m in self.modules]
+        if len(set(names)) < len(names):
+            raise ValueError(f"lora modules name {sorted({n for n in names if names.count(n) > 1})} twice; give "
+                             "each adapter its own name")
+        return self
+
+    @property
+    def cpu_slots(self) -> int:
+        return self.max_cpu_loras or self.max_loras
+
+
 class EngineConfig(_Section):
     """What one engine (one data-parallel rank) needs to load a model and run it."""
 
@@ -181,6 +220,10 @@ class EngineConfig(_Section):
     speculative: SpeculativeConfig | None = Field(
         None, description="Speculative decoding (vLLM's --speculative-config), method ngram: faster decoding "
         "where outputs repeat their prompt (edits, rewrites, answers quoting a document). Default: none."
+    )
+    lora: LoRAConfig | None = Field(
+        None, description="Serve LoRA adapters of this model (vLLM's --enable-lora, --lora-modules, --max-loras). "
+        "Default: none."
     )
     max_num_seqs: int = Field(64, ge=1, description="Most requests in one batch (running queue size).")
     max_num_batched_tokens: int = Field(
@@ -270,6 +313,8 @@ class EngineConfig(_Section):
             raise ValueError("engine.simulate cannot shard experts (expert_parallel); simulate dense models only")
         if self.simulate is not None and self.speculative is not None:
             raise ValueError("engine.simulate has no model to check drafts (speculative); drop one of them")
+        if self.simulate is not None and self.lora is not None:
+            raise ValueError("engine.simulate has no model to adapt (lora); drop one of them")
         return self
 
     @model_validator(mode="after")

@@ -53,6 +53,10 @@ class BlockManager:
         self.queried_tokens = 0  # prompt tokens looked up in the cache (vLLM's prefix_cache_queries)
         self.hit_tokens = 0  # of those, found cached
 
+    def _seed(self, request: Request) -> int:
+        """Where ``request``'s hash chain starts: the model's, or its adapter's (Request.hash_seed)."""
+        return self.seed if request.hash_seed is None else request.hash_seed
+
     @property
     def num_free(self) -> int:
         return len(self.free_blocks)
@@ -81,7 +85,7 @@ class BlockManager:
         if not self.caching or request.block_ids or request.params.prompt_logprobs is not None:
             return []
         most = (request.num_tokens - 1) // self.block_size
-        extend_hashes(request.block_hashes, request.token_ids, self.block_size, self.seed, most)
+        extend_hashes(request.block_hashes, request.token_ids, self.block_size, self._seed(request), most)
         hit = []
         for block_hash in request.block_hashes[:most]:
             block = self.cached.get(block_hash)
@@ -155,7 +159,7 @@ class BlockManager:
         full = request.num_computed // self.block_size
         if full <= request.num_cached_blocks:
             return
-        extend_hashes(request.block_hashes, request.token_ids, self.block_size, self.seed, full)
+        extend_hashes(request.block_hashes, request.token_ids, self.block_size, self._seed(request), full)
         for index in range(request.num_cached_blocks, full):
             block_hash, block = request.block_hashes[index], request.block_ids[index]
             if block_hash in self.cached:

@@ -7,16 +7,8 @@ import uuid
 
 import zmq
 
-from hybridlb.protocol import (
-    AbortRequests,
-    AddRequest,
-    EngineOutputs,
-    EngineReady,
-    Hello,
-    SamplingParams,
-    encoder,
-    from_engine_decoder,
-)
+from hybridlb.params import SamplingParams
+from hybridlb.protocol import AbortRequests, AddRequest, EngineOutputs, EngineReady, Hello, encoder, from_engine_decoder
 from hybridlb.transport import connect_securely
 
 

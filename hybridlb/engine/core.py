@@ -21,11 +21,13 @@ from hybridlb.config import EngineConfig
 from hybridlb.engine.block_manager import BlockManager
 from hybridlb.engine.constraints import Constraints
 from hybridlb.engine.dp_context import DPContext
+from hybridlb.engine.lora import AdapterSlots
 from hybridlb.engine.request import Request
 from hybridlb.engine.scheduler import ScheduledChunk, Scheduler
 from hybridlb.engine.speculative import NgramProposer
-from hybridlb.prefix_hash import hash_seed
-from hybridlb.protocol import EngineReady, EngineStats, RequestOutput, SamplingParams
+from hybridlb.params import SamplingParams
+from hybridlb.prefix_hash import adapter_seed, hash_seed
+from hybridlb.protocol import EngineReady, EngineStats, RequestOutput
 
 if TYPE_CHECKING:  # torch and the model load only with the real runner (not a simulated one)
     from hybridlb.engine.block_manager import Removed, Stored
@@ -64,7 +66,8 @@ class EngineCore:
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.prefix_caching,
                                    hash_seed(config.model))
         proposer = NgramProposer(config.speculative) if config.speculative else None
-        self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.blocks, proposer)
+        adapters = AdapterSlots(config.lora.max_loras) if config.lora else None
+        self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.blocks, proposer, adapters)
         self.requests: dict[str, Request] = {}
         self.constraints = Constraints(config, self.vocab_size, self.rank, self.eos_token_ids)
         self._early_outputs: list[RequestOutput] = []  # decided outside a step: grammars that failed
@@ -80,7 +83,7 @@ class EngineCore:
         """Queue a request; on invalid input return its error output instead. ``resumed``: the
         output tokens a migrated request already has (see AddRequest)."""
         resumed = resumed or []
-        problem = self._check(request_id, prompt_token_ids + resumed, params)
+        problem = self._check(request_id, prompt_token_ids + resumed, params) or self._check_adapter(params)
         if problem:
             return RequestOutput(request_id, [], finish_reason="error", error=problem)
         if len(self.scheduler.waiting) >= self.config.max_queued_requests:
@@ -94,6 +97,8 @@ class EngineCore:
             self.runner.skip_draws(generator, len(resumed))
         request = Request(request_id, prompt_token_ids, params, max_tokens, generator)
         request.token_ids.extend(resumed)  # output already produced: computed with the prompt
+        if params.lora is not None:
+            request.hash_seed = adapter_seed(self.blocks.seed, params.lora.key)
         if params.min_tokens:
             eos = set() if params.ignore_eos else self.eos_token_ids
             request.min_tokens_banned = sorted(eos | set(params.stop_token_ids))
@@ -123,6 +128,21 @@ class EngineCore:
             return "this engine has no model (engine.simulate), so it has no log-probabilities; drop logprobs"
         if params.constraint is not None and not self.runner.scores_logprobs:
             return "this engine has no model (engine.simulate), so it cannot follow a grammar; drop the constraint"
+        return None
+
+    def _check_adapter(self, params: SamplingParams) -> str | None:
+        """A request's LoRA adapter: served here, and readable (read once, then kept in memory)."""
+        if params.lora is None:
+            return None
+        if self.config.lora is None:
+            return f"this engine serves no LoRA adapters (engine.lora is unset); adapter {params.lora.name!r} " \
+                   "needs --enable-lora"
+        from hybridlb.checkpoint.lora import AdapterError
+
+        try:
+            self.runner.check_lora(params.lora)
+        except AdapterError as exc:
+            return f"LoRA adapter {params.lora.name!r}: {exc}"
         return None
 
     def abort(self, request_ids: list[str]) -> list[RequestOutput]:
@@ -301,7 +321,16 @@ class EngineCore:
             spec_draft_tokens=spec.draft_tokens,
             spec_accepted_tokens=spec.accepted_tokens,
             spec_accepted_per_pos=list(spec.accepted_per_position),
+            **self._adapter_stats(),
         )
+
+    def _adapter_stats(self) -> dict:
+        if self.scheduler.adapters is None:
+            return {}
+        running, waiting = self.scheduler.adapters_named()
+        adapters = self.scheduler.adapters
+        return {"lora_loaded": adapters.names(), "lora_running": running, "lora_waiting": waiting,
+                "lora_loads": adapters.loads}
 
     def _resident_mib(self) -> float:
         now = time.monotonic()

@@ -20,6 +20,8 @@ from hybridlb.engine.scheduler import ScheduledChunk
 from hybridlb.model import kernels
 from hybridlb.model.attention import AttentionBatch, DecodeGroup, PagedTable, PrefillChunk
 from hybridlb.model.loader import load_model
+from hybridlb.model.lora import ModelAdapters
+from hybridlb.params import LoRARequest
 from hybridlb.protocol import TokenLogprobs
 
 # Fresh prompts up to this long attend through the kernel, longer ones through torch SDPA: on
@@ -76,6 +78,10 @@ class ModelRunner:
         self.kernels = kernels.load() if fits else None
         if self.kernels is not None:
             self.model.use_cpu_kernels(self.kernels, pack_linears=self.dtype == torch.bfloat16)
+        self.adapters: ModelAdapters | None = None  # LoRA slots, wrapped around the (packed) projections
+        if config.lora is not None:
+            self.adapters = ModelAdapters(self.model, self.spec, config.lora.max_loras, config.lora.max_lora_rank,
+                                          config.lora.cpu_slots, self.dtype, self.device, self.kernels)
         release_readers()
         lifecycle.release_freed_memory()  # loading's and packing's temporaries, the parsed checkpoint
         self.num_blocks = kv_cache.num_blocks(config, self.spec, self.max_model_len, self._gpu_budget(config))
@@ -86,6 +92,10 @@ class ModelRunner:
     def label(self) -> str:
         weights = f", weights {self.quantization}" if self.quantization else ""
         return f"{self.spec.architecture} in {str(self.dtype).removeprefix('torch.')}{weights} on {self.device}"
+
+    def check_lora(self, lora: LoRARequest) -> None:
+        """Read a request's adapter (AdapterError if it cannot be served); kept for its first step."""
+        self.adapters.check(lora)
 
     def generator(self, seed: int) -> torch.Generator:
         """A per-request sampling generator."""
@@ -140,6 +150,8 @@ class ModelRunner:
         decodes = sorted((c for c in chunks if c.num_tokens == 1), key=lambda c: -c.request.num_computed)
         ordered = decodes + sorted((c for c in chunks if c.num_tokens > 1), key=self._on_sdpa)
         input_ids, positions, batch, sample_rows = self._prepare(ordered, len(decodes))
+        if self.adapters is not None:
+            self._use_adapters(ordered)
         hidden = self.model(input_ids, positions, batch)
         self._score_prompts(ordered, hidden)
         samplers = [c for c in ordered if c.samples]
@@ -215,6 +227,12 @@ class ModelRunner:
         elif len(prefills) < len(chunks):
             batch.table = self._paged_table(chunks[: len(chunks) - len(prefills)])
         return self._tensor(ids), self._tensor(positions), batch, self._tensor(sample_rows)
+
+    def _use_adapters(self, chunks: list[ScheduledChunk]) -> None:
+        """Load the adapters this step's requests were given slots for; mark each row's slot."""
+        self.adapters.place({c.request.lora_slot: c.request.params.lora for c in chunks if c.request.lora_slot >= 0})
+        rows = [c.request.lora_slot for c in chunks for _ in range(c.num_tokens)]
+        self.adapters.rows.set(rows, self.dtype, self.device)
 
     def _on_sdpa(self, chunk: ScheduledChunk) -> bool:
         """Whether a chunk's attention runs on torch SDPA: every prompt chunk on the torch path.

@@ -6,7 +6,8 @@ import enum
 import time
 from typing import TYPE_CHECKING
 
-from hybridlb.protocol import SamplingParams, TokenLogprobs
+from hybridlb.params import SamplingParams
+from hybridlb.protocol import TokenLogprobs
 
 if TYPE_CHECKING:  # a simulated engine never loads torch (start-up time and memory per process)
     from concurrent.futures import Future
@@ -68,6 +69,10 @@ class Request:
         # to go before the next draft (see NgramProposer.checked).
         self.draft_misses = 0
         self.draft_wait = 0
+        # LoRA: the engine slot holding this request's adapter while it runs (-1: the base
+        # model), and the start of its block-hash chain (an adapter's KV is its own).
+        self.lora_slot = -1
+        self.hash_seed: int | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -18,6 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from hybridlb.engine.block_manager import BlockManager
+from hybridlb.engine.lora import AdapterSlots
 from hybridlb.engine.request import Request, Status
 from hybridlb.engine.speculative import NgramProposer, SpecStats
 
@@ -42,11 +43,12 @@ class ScheduledChunk:
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, block_manager: BlockManager,
-                 proposer: NgramProposer | None = None):
+                 proposer: NgramProposer | None = None, adapters: AdapterSlots | None = None):
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.blocks = block_manager
         self.proposer = proposer
+        self.adapters = adapters  # LoRA: which adapter each slot holds (a batch mixes at most that many)
         self.spec_stats = SpecStats()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -104,8 +106,12 @@ class Scheduler:
 
     def _admit_waiting(self, budget: int) -> list[ScheduledChunk]:
         chunks = []
+        passed = []  # requests whose adapter has no slot free this step: they keep their place
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if not self._adapter_slot(request):
+                passed.append(self.waiting.popleft())
+                continue
             hit = self.blocks.lookup(request)
             num_tokens = min(request.num_tokens - len(hit) * self.blocks.block_size, budget)
             if not self.blocks.can_allocate(request, num_tokens, hit):
@@ -119,7 +125,26 @@ class Scheduler:
             self.running.append(request)
             chunks.append(ScheduledChunk(request, num_tokens))
             budget -= num_tokens
+        self.waiting.extendleft(reversed(passed))
         return chunks
+
+    def _adapter_slot(self, request: Request) -> bool:
+        """Give a request naming an adapter its slot; False while every slot holds an adapter that
+        running requests use."""
+        lora = request.params.lora
+        if lora is None:
+            return True
+        busy = {r.params.lora for r in self.running if r.params.lora is not None}
+        slot = self.adapters.assign(lora, busy)
+        request.lora_slot = -1 if slot is None else slot
+        return slot is not None
+
+    def adapters_named(self) -> tuple[list[str], list[str]]:
+        """The adapters running requests use, and those waiting requests wait for."""
+        def names(requests):
+            return sorted({r.params.lora.name for r in requests if r.params.lora is not None})
+
+        return names(self.running), names(self.waiting)
 
     def _preempt(self, request: Request) -> None:
         self.blocks.free(request)

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
     from hybridlb.checkpoint.tokenizer import Tokenizer
     from hybridlb.config import StructuredOutputsConfig
-    from hybridlb.protocol import Constraint
+    from hybridlb.params import Constraint
 
 
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from hybridlb.grammar.backend import Backend, Matcher
-from hybridlb.protocol import Constraint
+from hybridlb.params import Constraint
 
 log = logging.getLogger(__name__)
 

@@ -229,6 +229,7 @@ def render(config: Config, plan: ClusterPlan, options: PodOptions = PodOptions()
         raise RenderError("the non-head nodes must all be headless or all serve HTTP")
     if options.model_pvc and options.model_host_path:
         raise RenderError("the model comes from one volume: pass --model-pvc or --model-host-path, not both")
+    _check_adapters_on_the_model_volume(config, options)
     name = f"hybridlb-{config.ray.name}"
     shared = config.model_dump(mode="json", exclude_unset=True, exclude={"ray"})
     dp = shared.setdefault("data_parallel", {})
@@ -270,6 +271,18 @@ def render(config: Config, plan: ClusterPlan, options: PodOptions = PodOptions()
     if options.network_policy:
         documents.append(_network_policy(config, plan, name))
     return yaml.dump_all(documents, Dumper=_NoAliases, sort_keys=False)
+
+
+def _check_adapters_on_the_model_volume(config: Config, options: PodOptions) -> None:
+    """LoRA adapters (engine.lora.modules) are read from the model volume: each must lie under its mount."""
+    lora = config.engine.lora
+    if lora is None or not (options.model_pvc or options.model_host_path):
+        return
+    mount = _model_mount(config.engine.model).rstrip("/") + "/"
+    outside = [m.name for m in lora.modules if not posixpath.normpath(m.path).startswith(mount)]
+    if outside:
+        raise RenderError(f"LoRA adapters {', '.join(outside)} lie outside the model volume, which pods mount at "
+                          f"{mount}; put them under it (e.g. {mount}adapters/NAME) so the engines can read them")
 
 
 def _network_policy(config: Config, plan: ClusterPlan, name: str) -> dict:

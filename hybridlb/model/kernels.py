@@ -1,4 +1,4 @@
-"""The C kernels of ``csrc/`` (kernels.c, attention.c): built once per machine with the system's C compiler,
+"""The C kernels of ``csrc/`` (kernels.c, attention.c, lora.c): built once per machine with the system's C compiler,
 loaded with ctypes, called on torch tensors' memory.
 
 A CPU decoder layer in eager torch is ~60 small ops whose fixed cost (~5-10 µs each)
@@ -33,7 +33,7 @@ SOURCE_DIR = Path(__file__).parent / "csrc"
 # loaded sonames), so both share one pool: no second set of threads contending for the cores.
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-fopenmp"]
 # kernels.c rounds exactly as torch does, so no fused multiply-adds there; attention.c may.
-UNITS = {"kernels.c": ["-ffp-contract=off"], "attention.c": ["-ffp-contract=fast"]}
+UNITS = {"kernels.c": ["-ffp-contract=off"], "attention.c": ["-ffp-contract=fast"], "lora.c": ["-ffp-contract=fast"]}
 SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -42,6 +42,7 @@ SIGNATURES = {
     "rope_store": [_P, _I, _P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I],
     "paged_attention": [_P, _I, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _F, _I],
     "silu_mul": [_P, _P, _I, _I, _I],
+    "lora_add": [_P, _I, _P, _I, _I, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I],
 }
 
 
@@ -104,6 +105,16 @@ class CPUKernels:
         rows = gate_up.numel() // gate_up.shape[-1]
         self._fns["silu_mul", gate_up.dtype](gate_up.data_ptr(), out.data_ptr(), rows, inter, torch.get_num_threads())
         return out
+
+    def lora_add(self, x: torch.Tensor, out: torch.Tensor, slots: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                 ranks: torch.Tensor, columns: torch.Tensor, max_rank: int) -> None:
+        """out[t] += its slot's LoRA of x[t], in place (lora.c; the layout is LoRALinear's). ``slots``
+        [rows] int64 (-1: none), ``ranks`` [slots, parts] and ``columns`` [parts, 2] int64."""
+        self._fns["lora_add", x.dtype](
+            x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), x.shape[0], x.shape[1], slots.data_ptr(),
+            a.data_ptr(), b.data_ptr(), b.shape[1], ranks.data_ptr(), columns.data_ptr(), columns.shape[0], max_rank,
+            torch.get_num_threads(),
+        )
 
 
 def fit(device: torch.device, dtype: torch.dtype, group: int, head_dim: int, block_size: int) -> bool:

@@ -164,3 +164,30 @@ def make_model(arch: str, size: str, out: str | Path, seed: int = 0, max_shard_m
     for name, content in files.items():
         (out / name).write_text(json.dumps(content, indent=2) + "\n")
     return out
+
+
+def make_adapter(model: str, out: str | Path, targets: list[str], rank: int = 8, alpha: float = 16.0,
+                 seed: int = 0, scale: float = 0.5, layers: list[int] | None = None, **config) -> Path:
+    """A random LoRA adapter of ``model`` in PEFT's format (as ``save_pretrained`` writes it), on the
+    PEFT modules ``targets`` of every layer (or of ``layers``); ``config``: more adapter_config keys.
+    Tests and benchmarks use these; B is non-zero, so each adapter changes the output."""
+    from hybridlb.checkpoint.lora import ATTENTION_MODULES, CONFIG_FILE, WEIGHTS_FILE, module_shape
+    from hybridlb.checkpoint.spec import load_spec
+
+    spec = load_spec(model)
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(spec.num_layers) if layers is None else layers:
+        for module in targets:
+            part = "self_attn" if module in ATTENTION_MODULES else "mlp"
+            in_features, out_features = module_shape(spec, module)
+            prefix = f"base_model.model.model.layers.{layer}.{part}.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, in_features, generator=generator) * scale
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(out_features, rank, generator=generator) * scale
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, out / WEIGHTS_FILE)
+    settings = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": targets, "bias": "none",
+                "base_model_name_or_path": model, **config}
+    (out / CONFIG_FILE).write_text(json.dumps(settings))
+    return out

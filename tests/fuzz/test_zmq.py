@@ -16,6 +16,7 @@ import msgspec
 import pytest
 import zmq
 
+from hybridlb.params import SamplingParams
 from hybridlb.protocol import (
     AbortRequests,
     AddRequest,
@@ -27,7 +28,6 @@ from hybridlb.protocol import (
     NodeReady,
     NodeRejected,
     RegisterNode,
-    SamplingParams,
     StartWave,
     WaveComplete,
     encoder,

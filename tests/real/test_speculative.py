@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from hybridlb import LLM, SamplingParams
-from hybridlb.protocol import Constraint
+from hybridlb.params import Constraint
 from tests.conftest import PROMPTS, SMOLLM2
 from tests.servers import start_server
 

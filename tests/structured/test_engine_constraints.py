@@ -11,7 +11,7 @@ import re
 import pytest
 
 from hybridlb.llm import LLM
-from hybridlb.protocol import Constraint, SamplingParams
+from hybridlb.params import Constraint, SamplingParams
 from tests.conftest import SMOLLM2
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},

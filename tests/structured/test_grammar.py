@@ -14,7 +14,7 @@ from hybridlb.checkpoint.tokenizer import Tokenizer, read_eos_token_ids
 from hybridlb.config import StructuredOutputsConfig
 from hybridlb.grammar import GrammarCache, GrammarError, check, make_backend
 from hybridlb.grammar.backend import ascii_digits, json_schema
-from hybridlb.protocol import Constraint
+from hybridlb.params import Constraint
 from tests.conftest import SMOLLM2
 
 OPTIONS = StructuredOutputsConfig()
