@@ -10,13 +10,13 @@ model and 1, 4 and 8 distinct adapters spread over the requests. hybridlb and vL
 the same flags) where ``--vllm`` is given; each round starts one server, warms it up on every
 workload, measures them, stops it; the order reverses every other round.
 
-``routing``: hybridlb with ``--data-parallel-size 2 --max-loras 2`` and 6 adapters (more than one
-rank's slots, and more than the two ranks hold together), concurrency 16, 128 requests whose
-adapters are drawn at random: ``cache_aware`` (adapter-aware: a rank holding the adapter first)
-against ``least_loaded`` (load only). Reported: output tok/s and adapter loads (placements into a
-slot, from /metrics), each policy alone, alternating.
+``routing``: hybridlb with ``--data-parallel-size 2 --max-loras 2`` and 4 adapters (more than one
+rank's slots, as many as the two ranks hold together; ``--routing-adapters 6``: more than that),
+concurrency 16, 128 requests whose adapters are drawn at random: ``cache_aware`` (adapter-aware:
+a rank holding the adapter first) against ``least_loaded`` (load only). Reported: output tok/s
+and adapter loads (placements into a slot, from /metrics), each policy alone, alternating.
 
-    python benchmarks/lora.py [--rounds 3] [--vllm] [--only mix|routing]
+    python benchmarks/lora.py [--rounds 3] [--vllm] [--only mix|routing] [--routing-adapters 4]
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ VOCAB = 49152
 RANK = 16
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 MIX = {"base": 0, "1 adapter": 1, "4 adapters": 4, "8 adapters": 8}  # workload -> distinct adapters
-ROUTING_ADAPTERS = 6
 
 
 def make_adapters(model: str, root: Path, count: int) -> dict[str, str]:
@@ -154,14 +153,14 @@ def mix(model: str, adapters: dict[str, str], rounds: int, with_vllm: bool, vllm
     return {"rows": rows, "ratios": ratios, "runs": runs}
 
 
-def routing(model: str, adapters: dict[str, str], rounds: int) -> dict:
+def routing(model: str, adapters: dict[str, str], rounds: int, count: int) -> dict:
     served = "smollm2"
-    modules = [f"{name}={path}" for name, path in list(adapters.items())[:ROUTING_ADAPTERS]]
+    modules = [f"{name}={path}" for name, path in list(adapters.items())[:count]]
     common = ("--dtype", "bfloat16", "--served-model-name", served, "--data-parallel-size", "2", "--enable-lora",
               "--max-loras", "2", "--max-lora-rank", str(RANK), "--lora-modules", *modules)
     starts = {policy: partial(Server.hybridlb, f"hybridlb_{policy}", model, *common, "--lb-policy", policy)
               for policy in ("cache_aware", "least_loaded")}
-    names = list(adapters)[:ROUTING_ADAPTERS]
+    names = list(adapters)[:count]
     runs = alternate(starts, rounds, lambda start, name, r: run_routing(start, name, served, names, r))
     rows = [{"policy": name, **median_row(values, ("output_tok_s", "mean_tpot_ms", "adapter_loads"))}
             for name, values in runs.items()]
@@ -169,7 +168,7 @@ def routing(model: str, adapters: dict[str, str], rounds: int) -> dict:
     ratio = aware["output_tok_s"] / plain["output_tok_s"]
     print(f"adapter-aware / least-loaded: {ratio:.2f}× tok/s, loads {aware['adapter_loads']:.0f} vs "
           f"{plain['adapter_loads']:.0f}")
-    return {"rows": rows, "ratio": ratio, "runs": runs}
+    return {"rows": rows, "ratio": ratio, "runs": runs, "adapters": count}
 
 
 def main() -> None:
@@ -178,6 +177,7 @@ def main() -> None:
     parser.add_argument("--vllm", action="store_true", help="also vLLM, with and without --enable-lora")
     parser.add_argument("--vllm-reserved-cpus", default="0", help="VLLM_CPU_NUM_OF_RESERVED_CPU (see vs_vllm.py)")
     parser.add_argument("--only", choices=("mix", "routing"))
+    parser.add_argument("--routing-adapters", type=int, default=4, help="adapters in the routing run (2 slots a rank)")
     parser.add_argument("--models-dir", type=Path, default=Path("/tmp/hybridlb-bench-models"))
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/lora.json"))
     args = parser.parse_args()
@@ -185,10 +185,10 @@ def main() -> None:
     adapters = make_adapters(model, args.models_dir / "smollm2-adapters", max(MIX.values()))
     vllm_env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": args.vllm_reserved_cpus}
     result = json.loads(args.out.read_text()) if args.out.is_file() else {}
-    if args.only != "routing":
-        result["mix"] = mix(model, adapters, args.rounds, args.vllm, vllm_env)
+    if args.only != "routing":  # each part keeps the stamp of the run that made it
+        result["mix"] = {**mix(model, adapters, args.rounds, args.vllm, vllm_env), "meta": stamp()}
     if args.only != "mix":
-        result["routing"] = routing(model, adapters, args.rounds)
+        result["routing"] = {**routing(model, adapters, args.rounds, args.routing_adapters), "meta": stamp()}
     result["meta"] = stamp(rounds=args.rounds, rank=RANK, targets=TARGETS, vllm_env=vllm_env, cpus=os.cpu_count())
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))

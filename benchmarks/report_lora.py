@@ -32,13 +32,22 @@ def lora(page: Page, data: dict) -> str:
             bars(ax, workloads, {s: [ratios[s][w] for w in workloads] for s in ratios}, "× base model without LoRA")
 
         page.figure("lora_mix", "throughput with adapters in the batch, against the base model", draw, 1)
+        _made_by(page, data["mix"])
     if "routing" in data:
         routing = data["routing"]
-        page.text("**Adapter-aware routing** (DP=2, `--max-loras 2` per rank, 6 adapters drawn at random per "
-                  "request, 128 requests after a warm-up; loads: adapters placed into a slot during the run):")
+        page.text(f"**Adapter-aware routing** (DP=2, `--max-loras 2` per rank, {routing.get('adapters', 6)} adapters "
+                  "drawn at random per request, 128 requests after a warm-up; loads: adapters placed into a slot "
+                  "during the run):")
         page.table(["policy", "output tok/s (rounds)", "TPOT ms", "adapter loads (rounds)", "failed"],
                    [[r["policy"], f"{r['output_tok_s']:.0f} ({rounds(r['output_tok_s_rounds'])})", r["mean_tpot_ms"],
                      f"{r['adapter_loads']:.0f} ({rounds(r['adapter_loads_rounds'])})", r["failed"]]
                     for r in routing["rows"]])
+        _made_by(page, routing)
         summary.append(f"adapter-aware routing {routing['ratio']:.2f}× least-loaded")
     return "; ".join(summary)
+
+
+def _made_by(page: Page, part: dict) -> None:
+    """The command and date of the run that measured one part (``--only`` runs them apart)."""
+    if "meta" in part:
+        page.text(f"Measured by `{part['meta']['command']}` on {part['meta']['date'][:16].replace('T', ' ')}.")

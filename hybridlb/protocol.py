@@ -100,7 +100,7 @@ from __future__ import annotations
 
 import msgspec
 
-from hybridlb.params import SamplingParams
+from hybridlb.params import LoRARequest, SamplingParams
 
 FinishReason = str  # "stop" | "length" | "abort" | "error"
 class Hello(msgspec.Struct, tag="hello"):
@@ -122,6 +122,12 @@ class AddRequest(msgspec.Struct, tag="add"):
 
 class AbortRequests(msgspec.Struct, tag="abort"):
     request_ids: list[str]
+
+
+class LoadAdapters(msgspec.Struct, tag="load_adapters"):
+    """engine.lora.load eager: read these adapters now, and place them in free slots."""
+
+    adapters: list[LoRARequest]
 
 
 class EngineReady(msgspec.Struct, tag="ready"):
@@ -291,7 +297,7 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     reason: str
 
 
-ToEngine = Hello | AddRequest | AbortRequests | StartWave
+ToEngine = Hello | AddRequest | AbortRequests | StartWave | LoadAdapters
 FromEngine = EngineReady | EngineOutputs
 ToCoordinator = EngineStats | WaveComplete | StartWave
 ToHead = RegisterNode | NodeReady | Heartbeat

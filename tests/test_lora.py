@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
+import httpx
 import pytest
 import torch
 from pydantic import ValidationError
@@ -26,6 +28,7 @@ from hybridlb.engine.scheduler import Scheduler
 from hybridlb.llm import LLM
 from hybridlb.params import LoRARequest, SamplingParams
 from tests.lora_adapters import merge_adapter, write_adapter
+from tests.servers import Server, completion, start_servers
 
 PROMPTS = [[5, 17, 99, 3, 250, 8], [44, 45, 46], [900, 12, 7, 7, 7, 31, 64, 2, 18]]
 NEW_TOKENS = 12
@@ -176,7 +179,8 @@ def test_a_request_whose_adapter_has_no_free_slot_waits_and_lets_others_pass():
     admitted = [chunk.request.request_id for chunk in scheduler.schedule()]
     assert admitted == ["1", "3"]  # "2" waits for a's slot, the base request goes ahead
     assert list(scheduler.waiting) == [blocked]
-    assert scheduler.adapters_named() == (["a"], ["b"])
+    stats = scheduler.adapter_stats()
+    assert (stats["lora_running"], stats["lora_waiting"], stats["lora_loaded"]) == (["a"], ["b"], ["a"])
     scheduler.finish(first)
     assert [chunk.request.request_id for chunk in scheduler.schedule()][-1] == "2"
     assert blocked.lora_slot == 0
@@ -230,7 +234,8 @@ def test_serve_checks_lora_flags_before_starting(checkpoints, tmp_path):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_cpu_kernel_and_the_torch_path_add_the_same_lora(dtype):
     """lora.c (each row its own adapter) against the masked torch path, on rows mixing slots,
-    the base model (-1) and a part one adapter leaves alone."""
+    the base model (-1) and a part one adapter leaves alone; groups of 1 to 4 rows, ranks that
+    are not a multiple of the kernel's block of 4, and widths past its 64-column blocks."""
     from hybridlb.model import kernels
     from hybridlb.model.lora import LoRALinear, LoRARows
 
@@ -238,18 +243,18 @@ def test_the_cpu_kernel_and_the_torch_path_add_the_same_lora(dtype):
     if cpu is None:
         pytest.skip("no C compiler: the CPU kernels are not built")
     generator = torch.Generator().manual_seed(0)
-    parts = [("q_proj", 40), ("k_proj", 24), ("v_proj", 24)]
+    parts = [("q_proj", 88), ("k_proj", 24), ("v_proj", 24)]
     rows = LoRARows()
-    base = torch.nn.Linear(48, 88, bias=False).to(dtype)
-    linear = LoRALinear(base, 48, parts, 3, 8, rows, dtype, torch.device("cpu"))
+    base = torch.nn.Linear(56, 136, bias=False).to(dtype)
+    linear = LoRALinear(base, 56, parts, 3, 8, rows, dtype, torch.device("cpu"))
     for slot, rank in ((0, 8), (1, 3), (2, 5)):
         for module, width in parts:
             if slot == 1 and module == "k_proj":
                 continue  # adapter 1 leaves k alone: rank 0 there
-            a, b = torch.randn(rank, 48, generator=generator), torch.randn(width, rank, generator=generator)
+            a, b = torch.randn(rank, 56, generator=generator), torch.randn(width, rank, generator=generator)
             linear.write(slot, module, a.to(dtype), b.to(dtype), 0.5)
-    x = torch.randn(11, 48, generator=generator).to(dtype)
-    rows.set([2, -1, 0, 1, 1, 2, 0, -1, 1, 1, 1], dtype, torch.device("cpu"))
+    x = torch.randn(12, 56, generator=generator).to(dtype)
+    rows.set([2, -1, 0, 1, 1, 2, 0, -1, 1, 1, 1, 2], dtype, torch.device("cpu"))
     with torch.inference_mode():
         torch_path = linear(x)
         linear.kernels = cpu
@@ -261,3 +266,41 @@ def test_the_cpu_kernel_and_the_torch_path_add_the_same_lora(dtype):
     assert torch.allclose(kernel.float(), torch_path.float(), rtol=0, atol=tolerance)
     assert not torch.allclose(kernel.float(), base(x).float(), rtol=0, atol=tolerance)
     assert torch.equal(kernel[1], base(x)[1])  # a base-model row gets nothing added
+
+
+def _held(url: str) -> list[list[str]]:
+    return [sorted(engine["lora_adapters"]) for engine in httpx.get(f"{url}/ranks", timeout=10).json()["engines"]]
+
+
+def _placements(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("hybridlb:lora_adapter_loads_total{"))
+
+
+def _wait_for(condition, timeout_s: float = 20.0):
+    deadline = time.monotonic() + timeout_s
+    while not (value := condition()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return value
+
+
+def test_eager_loading_places_adapters_in_every_engine_before_any_request(tiny_qwen3, tmp_path):
+    """--lora-load eager: the adapters of --lora-modules, and one loaded at run time, are in each
+    engine's slots before any request names them; a request then loads nothing more."""
+    a, b, c = (write_adapter(tmp_path / name, tiny_qwen3, ["q_proj", "v_proj"], seed=i)
+               for i, name in enumerate("abc"))
+    server = start_servers(Server(tiny_qwen3, "--data-parallel-size", "2", "--enable-lora", "--lora-modules",
+                                  f"a={a}", f"b={b}", "--max-loras", "3", "--lora-load", "eager",
+                                  env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"}))[0]
+    try:
+        assert _wait_for(lambda: _held(server.url) == [["a", "b"], ["a", "b"]]), _held(server.url)
+        loaded = httpx.post(f"{server.url}/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": str(c)})
+        assert loaded.status_code == 200, loaded.text
+        assert _wait_for(lambda: _held(server.url) == [["a", "b", "c"]] * 2), _held(server.url)
+        assert _placements(server.url) == 6
+        for name in "abc":
+            completion(server.url, name)
+        assert _placements(server.url) == 6
+    finally:
+        server.stop()

@@ -90,6 +90,8 @@ def _connect(ctx: ApiContext, context: zmq.asyncio.Context) -> list[EngineConnec
                    for rank, address in ctx.spec.engines]
     for connection in connections:
         ctx.metrics.register_engine(connection.rank)
+        if ctx.adapters.eager:
+            connection.on_ready = lambda engine: engine.load_adapters(ctx.adapters.requests())
         connection.start()
     return connections
 

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 
 import msgspec
 import zmq
@@ -28,7 +29,7 @@ from zmq.utils.monitor import parse_monitor_message
 from hybridlb import lifecycle
 from hybridlb.api.balance import RankView, load_score
 from hybridlb.api.prefix_index import PrefixIndex
-from hybridlb.params import SamplingParams
+from hybridlb.params import LoRARequest, SamplingParams
 from hybridlb.protocol import (
     AbortRequests,
     AddRequest,
@@ -36,6 +37,7 @@ from hybridlb.protocol import (
     EngineReady,
     EngineStats,
     Hello,
+    LoadAdapters,
     RequestOutput,
     encoder,
     error_text,
@@ -94,6 +96,7 @@ class EngineConnection:
         self.prefix: PrefixIndex | None = None  # what this server sent that the engine may still cache
         self.on_stats = on_stats
         self.on_lost = on_lost  # (rank, reason, count): requests failed by this connection, for metrics
+        self.on_ready: Callable[[EngineConnection], None] | None = None  # each time the engine is (again) ready
         self.seq = 0  # the last EngineOutputs number taken since EngineReady
         self._ready = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -144,6 +147,11 @@ class EngineConnection:
         if abort:
             self._send(AbortRequests([request_id]))
 
+    def load_adapters(self, adapters: list[LoRARequest]) -> None:
+        """Have the engine read these LoRA adapters now (engine.lora.load eager)."""
+        if self.alive and adapters:
+            self._send(LoadAdapters(adapters))
+
     def _send(self, message) -> None:
         self.socket.send(encoder.encode(message), copy=False)
 
@@ -180,6 +188,8 @@ class EngineConnection:
             self.prefix = PrefixIndex(message.num_kv_blocks) if message.prefix_caching else None
             self._ready.set()
             log.info("engine %d ready at %s", self.rank, self.address)
+            if self.on_ready is not None:
+                self.on_ready(self)
 
     def _in_sequence(self, seq: int) -> bool:
         """Check an EngineOutputs number: False for a duplicate (skip it); a gap fails every

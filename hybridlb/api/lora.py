@@ -4,7 +4,8 @@ runtime endpoints ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``
 with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` set, as in vLLM).
 
 An adapter is checked against the base model when it is registered (a bad directory is a
-400 naming the problem); engines read it when a request first needs it. Registering is this
+400 naming the problem); engines read it when a request first needs it, or at once with
+``engine.lora.load: eager`` (then again whenever an engine restarts). Registering is this
 API server's alone: with several API servers on a node, load an adapter on each (or list it
 in ``--lora-modules``).
 """
@@ -58,6 +59,14 @@ class AdapterRegistry:
     @property
     def enabled(self) -> bool:
         return self.lora is not None
+
+    @property
+    def eager(self) -> bool:
+        """Engines read adapters as they are registered (engine.lora.load eager)."""
+        return self.lora is not None and self.lora.load == "eager"
+
+    def requests(self) -> list[LoRARequest]:
+        return [adapter.request for adapter in self.adapters.values()]
 
     def get(self, name: str | None) -> LoRARequest | None:
         adapter = self.adapters.get(name) if name is not None else None
@@ -116,9 +125,12 @@ async def load_lora_adapter(request: Request):
         raise APIError(400, f"The lora adapter '{body.lora_name}' has already been loaded. If you want to load the "
                             "adapter in place, set 'load_inplace' to True.", param="lora_name")
     try:  # reading the header and config touches the disk: not on the event loop
-        await asyncio.to_thread(registry.add, body.lora_name, body.lora_path)
+        adapter = await asyncio.to_thread(registry.add, body.lora_name, body.lora_path)
     except AdapterError as exc:
         raise APIError(400, f"adapter '{body.lora_name}': {exc}", param="lora_path") from None
+    if registry.eager:
+        for engine in ctx.pool.engines:
+            engine.load_adapters([adapter.request])
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
 

@@ -135,9 +135,9 @@ def json_flag(name: str, text: str | None) -> dict | None:
     return value
 
 
-def lora_flags(enable: bool, modules: list[str] | None, **limits: int | None) -> dict | None:
-    """engine.lora from --enable-lora, --lora-modules (name=path or vLLM's JSON form) and the
-    --max-lora* limits; None when none is given (the config file decides)."""
+def lora_flags(enable: bool, modules: list[str] | None, **limits: int | str | None) -> dict | None:
+    """engine.lora from --enable-lora, --lora-modules (name=path or vLLM's JSON form), the
+    --max-lora* limits and --lora-load; None when none is given (the config file decides)."""
     given = {key: value for key, value in limits.items() if value is not None}
     if not enable:
         if modules or given:

@@ -98,6 +98,9 @@ def serve(
     max_lora_rank: Annotated[int | None, vllm_option(help="Highest adapter rank accepted (default 16).")] = None,
     max_cpu_loras: Annotated[int | None, vllm_option(
         help="Adapters an engine keeps read in memory (default: --max-loras).")] = None,
+    lora_load: Annotated[str | None, typer.Option(
+        help="lazy (default): engines read an adapter when a request first needs it; eager: when it is "
+             "registered (start-up or /v1/load_lora_adapter).")] = None,
     seed: Annotated[int | None, vllm_option()] = None,
     torch_threads: Annotated[int | None, typer.Option(help="Threads per engine (0: split the cores).")] = None,
     share_cores: Annotated[bool | None, typer.Option(
@@ -139,7 +142,7 @@ def serve(
                        structured_outputs=json_flag("--structured-outputs-config", structured_outputs_config),
                        speculative=json_flag("--speculative-config", speculative_config),
                        lora=lora_flags(enable_lora, lora_modules, max_loras=max_loras, max_lora_rank=max_lora_rank,
-                                       max_cpu_loras=max_cpu_loras),
+                                       max_cpu_loras=max_cpu_loras, load=lora_load),
                        expert_parallel=enable_expert_parallel, async_dp_coordination=async_dp_coordination,
                        dp_timeout_s=dp_timeout, simulate=_simulate_flags(simulate_step_ms, simulate_per_token_ms)),
         "api": dict(host=host, port=port, served_model_name=served_names(served_model_name), api_key=api_key,

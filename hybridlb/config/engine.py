@@ -175,6 +175,10 @@ class LoRAConfig(_Section):
     max_lora_rank: int = Field(16, ge=1, le=512, description="Highest adapter rank accepted (slots are sized to it).")
     max_cpu_loras: int | None = Field(None, ge=1, description="Adapters an engine keeps read in memory, held or "
                                       "not (default: max_loras); must be at least max_loras.")
+    load: Literal["lazy", "eager"] = Field(
+        "lazy", description="When engines read an adapter: lazy, when a request first needs it; eager, as soon as it "
+                            "is registered (at start-up, or by /v1/load_lora_adapter), each engine reading it into "
+                            "memory and into a free slot (none is evicted for it).")
 
     @model_validator(mode="after")
     def _check(self) -> LoRAConfig:

@@ -25,7 +25,7 @@ from hybridlb.engine.lora import AdapterSlots
 from hybridlb.engine.request import Request
 from hybridlb.engine.scheduler import ScheduledChunk, Scheduler
 from hybridlb.engine.speculative import NgramProposer
-from hybridlb.params import SamplingParams
+from hybridlb.params import LoRARequest, SamplingParams
 from hybridlb.prefix_hash import adapter_seed, hash_seed
 from hybridlb.protocol import EngineReady, EngineStats, RequestOutput
 
@@ -83,7 +83,7 @@ class EngineCore:
         """Queue a request; on invalid input return its error output instead. ``resumed``: the
         output tokens a migrated request already has (see AddRequest)."""
         resumed = resumed or []
-        problem = self._check(request_id, prompt_token_ids + resumed, params) or self._check_adapter(params)
+        problem = self._check(request_id, prompt_token_ids + resumed, params) or self._check_adapter(params.lora)
         if problem:
             return RequestOutput(request_id, [], finish_reason="error", error=problem)
         if len(self.scheduler.waiting) >= self.config.max_queued_requests:
@@ -130,20 +130,27 @@ class EngineCore:
             return "this engine has no model (engine.simulate), so it cannot follow a grammar; drop the constraint"
         return None
 
-    def _check_adapter(self, params: SamplingParams) -> str | None:
+    def _check_adapter(self, lora: LoRARequest | None) -> str | None:
         """A request's LoRA adapter: served here, and readable (read once, then kept in memory)."""
-        if params.lora is None:
+        if lora is None:
             return None
         if self.config.lora is None:
-            return f"this engine serves no LoRA adapters (engine.lora is unset); adapter {params.lora.name!r} " \
-                   "needs --enable-lora"
+            return f"this engine serves no LoRA adapters (engine.lora is unset); {lora.name!r} needs --enable-lora"
         from hybridlb.checkpoint.lora import AdapterError
 
         try:
-            self.runner.check_lora(params.lora)
+            self.runner.check_lora(lora)
         except AdapterError as exc:
-            return f"LoRA adapter {params.lora.name!r}: {exc}"
+            return f"LoRA adapter {lora.name!r}: {exc}"
         return None
+
+    def load_adapters(self, adapters: list[LoRARequest]) -> None:
+        """engine.lora.load eager: read each adapter now and put it in a free slot (evicting none)."""
+        for lora in adapters:
+            if (problem := self._check_adapter(lora)) is not None:
+                log.warning("engine %d: not loaded: %s", self.rank, problem)
+            elif (slot := self.scheduler.adapters.take_free(lora)) is not None:
+                self.runner.adapters.place({slot: lora})
 
     def abort(self, request_ids: list[str]) -> list[RequestOutput]:
         """Stop requests and free their KV blocks; unknown or finished ids are ignored."""
@@ -321,16 +328,8 @@ class EngineCore:
             spec_draft_tokens=spec.draft_tokens,
             spec_accepted_tokens=spec.accepted_tokens,
             spec_accepted_per_pos=list(spec.accepted_per_position),
-            **self._adapter_stats(),
+            **self.scheduler.adapter_stats(),
         )
-
-    def _adapter_stats(self) -> dict:
-        if self.scheduler.adapters is None:
-            return {}
-        running, waiting = self.scheduler.adapters_named()
-        adapters = self.scheduler.adapters
-        return {"lora_loaded": adapters.names(), "lora_running": running, "lora_waiting": waiting,
-                "lora_loads": adapters.loads}
 
     def _resident_mib(self) -> float:
         now = time.monotonic()

@@ -38,6 +38,12 @@ class AdapterSlots:
         self._used[slot] = next(self._clock)
         return slot
 
+    def take_free(self, lora: LoRARequest) -> int | None:
+        """Eager loading: a free slot for ``lora`` (None if it is held already or none is free)."""
+        if lora in self.held or None not in self.held:
+            return None
+        return self.assign(lora, set())
+
     def names(self) -> list[str]:
         """The adapters held, least recently used first."""
         order = sorted((self._used[s], held.name) for s, held in enumerate(self.held) if held is not None)

@@ -139,12 +139,17 @@ class Scheduler:
         request.lora_slot = -1 if slot is None else slot
         return slot is not None
 
-    def adapters_named(self) -> tuple[list[str], list[str]]:
-        """The adapters running requests use, and those waiting requests wait for."""
+    def adapter_stats(self) -> dict:
+        """EngineStats' LoRA fields: the adapters held (least recently used first), those running
+        requests use, those waiting requests wait for, and placements so far; none without LoRA."""
+        if self.adapters is None:
+            return {}
+
         def names(requests):
             return sorted({r.params.lora.name for r in requests if r.params.lora is not None})
 
-        return names(self.running), names(self.waiting)
+        return {"lora_loaded": self.adapters.names(), "lora_running": names(self.running),
+                "lora_waiting": names(self.waiting), "lora_loads": self.adapters.loads}
 
     def _preempt(self, request: Request) -> None:
         self.blocks.free(request)

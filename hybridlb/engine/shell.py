@@ -38,6 +38,7 @@ from hybridlb.protocol import (
     AddRequest,
     EngineOutputs,
     Hello,
+    LoadAdapters,
     RequestOutput,
     StartWave,
     encoder,
@@ -192,6 +193,11 @@ class EngineShell:
             ids = [i for i in message.request_ids if self.owners.get(i) == identity]
             for output in self.core.abort(ids):
                 self._route_output(route, output)
+        elif isinstance(message, LoadAdapters):
+            if self.core.config.lora is not None:
+                self.core.load_adapters(message.adapters)
+            else:
+                log.warning("engine %d: dropped a load_adapters message: it serves no LoRA adapters", self.core.rank)
         elif isinstance(message, Hello):  # a known front end starting over has given up on its requests
             self._abort_owned(identity, "it registered again")
             route.by_client.pop(identity, None)

@@ -107,12 +107,13 @@ class CPUKernels:
         return out
 
     def lora_add(self, x: torch.Tensor, out: torch.Tensor, slots: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                 ranks: torch.Tensor, columns: torch.Tensor, max_rank: int) -> None:
+                 ranks: torch.Tensor, columns: torch.Tensor, stride: int) -> None:
         """out[t] += its slot's LoRA of x[t], in place (lora.c; the layout is LoRALinear's). ``slots``
-        [rows] int64 (-1: none), ``ranks`` [slots, parts] and ``columns`` [parts, 2] int64."""
+        [rows] int64 (-1: none), ``ranks`` [slots, parts] and ``columns`` [parts, 2] int64;
+        ``stride``: rows of A and B per part (LoRALinear.stride)."""
         self._fns["lora_add", x.dtype](
             x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), x.shape[0], x.shape[1], slots.data_ptr(),
-            a.data_ptr(), b.data_ptr(), b.shape[1], ranks.data_ptr(), columns.data_ptr(), columns.shape[0], max_rank,
+            a.data_ptr(), b.data_ptr(), b.shape[1], ranks.data_ptr(), columns.data_ptr(), columns.shape[0], stride,
             torch.get_num_threads(),
         )
 

@@ -31,6 +31,7 @@ from hybridlb.params import LoRARequest
 # The fused projections of a decoder layer and the PEFT modules they hold, in column order.
 FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
          "down": ("down_proj",)}
+RANK_BLOCK = 4  # lora.c's RANKS
 
 
 class LoRARows:
@@ -69,14 +70,17 @@ class LoRALinear(nn.Module):
     def __init__(self, base: nn.Module, in_features: int, parts: list[tuple[str, int]], num_slots: int,
                  max_rank: int, rows: LoRARows, dtype: torch.dtype, device: torch.device):
         super().__init__()
-        self.base, self.rows, self.max_rank = base, rows, max_rank
+        self.base, self.rows = base, rows
+        # Rows of A and B per part: the max rank rounded up to lora.c's block of ranks (rows past
+        # an adapter's rank stay zero).
+        self.stride = -(-max_rank // RANK_BLOCK) * RANK_BLOCK
         self.parts = [name for name, _ in parts]
         bounds, start = [], 0
         for _, width in parts:
             bounds.append((start, start + width))
             start += width
         self.columns = torch.tensor(bounds, dtype=torch.long)
-        self.width = len(parts) * max_rank  # rows of A (and of B) per slot
+        self.width = len(parts) * self.stride  # rows of A (and of B) per slot
         self.a = torch.zeros(num_slots * self.width, in_features, dtype=dtype, device=device)
         self.b = torch.zeros(num_slots * self.width, start, dtype=dtype, device=device)
         self.ranks = torch.zeros(num_slots, len(parts), dtype=torch.long)  # rows of each part in use
@@ -88,7 +92,7 @@ class LoRALinear(nn.Module):
         if slots is None:
             return out
         if self.kernels is not None and x.dim() == 2 and x.stride(-1) == 1 and out.is_contiguous():
-            self.kernels.lora_add(x, out, slots, self.a, self.b, self.ranks, self.columns, self.max_rank)
+            self.kernels.lora_add(x, out, slots, self.a, self.b, self.ranks, self.columns, self.stride)
             return out
         used = self.rows.slots_used * self.width
         xa = torch.nn.functional.linear(x, self.a[:used])
@@ -103,7 +107,7 @@ class LoRALinear(nn.Module):
     def write(self, slot: int, module: str, a: torch.Tensor, b: torch.Tensor, scaling: float) -> None:
         """Place one PEFT module's ``lora_A`` [r, in] and ``lora_B`` [out, r] in ``slot``."""
         part = self.parts.index(module)
-        start = slot * self.width + part * self.max_rank
+        start = slot * self.width + part * self.stride
         rank = a.shape[0]
         first, last = self.columns[part].tolist()
         self.a[start : start + rank] = a

@@ -16,7 +16,7 @@ import msgspec
 import pytest
 import zmq
 
-from hybridlb.params import SamplingParams
+from hybridlb.params import LoRARequest, SamplingParams
 from hybridlb.protocol import (
     AbortRequests,
     AddRequest,
@@ -24,6 +24,7 @@ from hybridlb.protocol import (
     EngineReady,
     EngineStats,
     Hello,
+    LoadAdapters,
     LoadSnapshot,
     NodeReady,
     NodeRejected,
@@ -222,7 +223,8 @@ def test_engine_drops_bad_messages_and_keeps_serving(cluster, context):
                [pack({"type": "add", "request_id": 7, "prompt_token_ids": [1], "params": {}})],
                [pack({"type": "add", "request_id": "r", "prompt_token_ids": [1.5], "params": {}})],
                [encoder.encode(EngineReady(0, "m", 1, 1, 1, 1, []))],
-               [encoder.encode(StartWave(3, 1))]]  # waves come from the coordinator only
+               [encoder.encode(StartWave(3, 1))],  # waves come from the coordinator only
+               [encoder.encode(LoadAdapters([LoRARequest("x", "/etc")]))]]  # this engine serves no adapters
         before = _count(head, r"WARNING .*dropped")
         _send_all(dealer, bad)
         _expect_lines(head, r"WARNING .*dropped", before, len(bad))

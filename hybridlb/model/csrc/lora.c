@@ -4,14 +4,17 @@
  *
  * Layout (hybridlb/model/lora.py, LoRALinear): a projection has `parts` fused outputs (q, k,
  * v; gate, up; or one), part p owning output columns [columns[2p], columns[2p + 1]). Slot s
- * stores, for part p, rows (s * parts + p) * max_rank + r of A [.., in] and of B [.., b_cols]
+ * stores, for part p, rows (s * parts + p) * stride + r of A [.., in] and of B [.., b_cols]
  * (B transposed and scaled, non-zero only in the part's columns); ranks[s * parts + p] of
- * them are used. Arithmetic in float32, one rounding per output element. Compiled with FMAs. */
+ * them are used (rows past that are zero; `stride` is max_rank rounded up to RANKS). Arithmetic in float32, one rounding per output element. Compiled with FMAs. */
 
 #include "common.h"
 
 #define MAX_RANK 512
 #define GROUP 4 /* rows of one adapter computed together: each weight vector loaded once for them */
+#define RANKS 4 /* ranks the shrink computes together (a part's rows are padded to a multiple) */
+#define COLS 4  /* 16-column vectors of output the expand computes together */
+_Static_assert(GROUP == 4, "lora_add's switch inlines groups of 1 to 4 rows");
 
 /* The rows that use an adapter, grouped by slot (rows of one slot in order, GROUP at most per
  * group): `order` lists them group after group, group g starting at order[starts[g]], and
