@@ -2,14 +2,20 @@
 
 * **GEMM throughput** at the shapes of a SmolLM2-135M decode step (hidden 576, intermediate
   1536, 9 query / 3 KV heads of 64, vocabulary 49,152): ``x @ W.T`` for each projection and
-  the LM head at batch 1, 16 and 64, and one large square GEMM, in bfloat16 and float32,
-  with torch's CPU kernels on ``--threads`` threads (default: every core). GFLOP/s =
+  the LM head at batch 1, 16, 32 and 64, and one large square GEMM, in bfloat16 and float32,
+  with torch's CPU kernels on ``--threads`` threads (default: every core); bfloat16 also
+  through oneDNN with the weight reordered once (``_reorder_linear_weight``, the path the
+  engine's linear layers take, ``hybridlb/model/layers.py``). GFLOP/s =
   2·M·N·K / time; at batch 1 the weights' bytes over the time is the bandwidth a decode
   step can stream them at (the LM head's, one large weight, is the best case).
 * **Weight streaming at batch 1**: every projection of the model's 30 layers plus the LM
   head, one after another (what a batch-1 decode step does, without attention): the
   weights' bytes over the time, in GB/s, and the tokens per second that bounds.
 * **Memory bandwidth**: a 256 MiB tensor copied into another (read + write bytes / time).
+* **Model passes** at batch 1, 16, 32 and 64: the same pass with that many rows, each path.
+  The fastest path's GFLOP/s at a batch is the **decode peak** there, the ceiling of a decode
+  step's matmuls (cold weights, as in a served step); ``step_profile.py`` quotes the engine
+  against it.
 
 Each figure is the median of ``--repeats`` timed runs after a warm-up. The step profile
 (``step_profile.py``) and the engine's benchmarks quote their figures as a fraction of these.
@@ -38,6 +44,8 @@ PROJECTIONS = {  # name: (out features N, in features K) of one layer's weights
 }
 GEMM_SHAPES = {**PROJECTIONS, "lm_head": (VOCAB, HIDDEN)}  # the LM head: one 57 MB weight in bfloat16
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+BATCHES = (1, 16, 32, 64)
+PACKED = "oneDNN packed"  # the engine's path for bfloat16 on CPU
 
 
 def timed(fn, repeats: int) -> float:
@@ -52,30 +60,49 @@ def timed(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def gemm_gflops(m: int, n: int, k: int, dtype: torch.dtype, repeats: int) -> float:
-    x, w = torch.randn(m, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
-    seconds = timed(lambda: torch.nn.functional.linear(x, w), repeats)
+def linear_fn(weight: torch.Tensor, path: str):
+    """``x @ weight.T`` through torch's linear, or through oneDNN on a weight reordered once."""
+    if path != PACKED:
+        return lambda x: torch.nn.functional.linear(x, weight)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
+    return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+def paths(dtype: torch.dtype) -> list[str]:
+    return ["torch linear", PACKED] if dtype == torch.bfloat16 else ["torch linear"]
+
+
+def gemm_gflops(m: int, n: int, k: int, dtype: torch.dtype, repeats: int, path: str) -> float:
+    x, fn = torch.randn(m, k, dtype=dtype), linear_fn(torch.randn(n, k, dtype=dtype), path)
+    seconds = timed(lambda: fn(x), repeats)
     return 2 * m * n * k / seconds / 1e9
 
 
-def weight_streaming(dtype: torch.dtype, repeats: int) -> dict:
-    """Batch 1 through every projection of every layer and the LM head (fresh weights each,
-    as a real model's: nothing stays in cache between layers)."""
-    layers = [{name: torch.randn(n, k, dtype=dtype) for name, (n, k) in PROJECTIONS.items()} for _ in range(LAYERS)]
-    head = torch.randn(VOCAB, HIDDEN, dtype=dtype)
-    x = torch.randn(1, HIDDEN, dtype=dtype)
-    x_wide = torch.randn(1, INTERMEDIATE, dtype=dtype)
+def model_pass(dtype: torch.dtype, repeats: int, path: str, batch: int) -> dict:
+    """``batch`` rows through every projection of every layer and the LM head (fresh weights
+    each, as a real model's: nothing stays in cache between layers): a decode step's matmuls."""
+    layers = [{name: linear_fn(torch.randn(n, k, dtype=dtype), path) for name, (n, k) in PROJECTIONS.items()}
+              for _ in range(LAYERS)]
+    head = linear_fn(torch.randn(VOCAB, HIDDEN, dtype=dtype), path)
+    x = torch.randn(batch, HIDDEN, dtype=dtype)
+    x_wide = torch.randn(batch, INTERMEDIATE, dtype=dtype)
 
     def step() -> None:
         for layer in layers:
-            for name, weight in layer.items():
-                torch.nn.functional.linear(x_wide if name == "down" else x, weight)
-        torch.nn.functional.linear(x, head)
+            for name, fn in layer.items():
+                fn(x_wide if name == "down" else x)
+        head(x)
 
     seconds = timed(step, max(3, repeats // 4))
-    weight_bytes = (sum(w.numel() for layer in layers for w in layer.values()) + head.numel()) * x.element_size()
-    return {"weight_mb": weight_bytes / 1e6, "step_ms": seconds * 1e3, "gb_s": weight_bytes / seconds / 1e9,
-            "tokens_per_s_bound": 1 / seconds}
+    weights = LAYERS * sum(n * k for n, k in PROJECTIONS.values()) + VOCAB * HIDDEN
+    return {"path": path, "batch": batch, "weight_mb": weights * x.element_size() / 1e6, "step_ms": seconds * 1e3,
+            "gb_s": weights * x.element_size() / seconds / 1e9, "gflop_s": 2 * batch * weights / seconds / 1e9,
+            "tokens_per_s_bound": batch / seconds}
+
+
+def weight_streaming(dtype: torch.dtype, repeats: int, path: str) -> dict:
+    """The batch-1 pass: the weights' bytes over its time is the bandwidth batch-1 decode streams at."""
+    return model_pass(dtype, repeats, path, 1)
 
 
 def copy_gb_s(repeats: int) -> float:
@@ -95,30 +122,43 @@ def main() -> None:
 
     gemm = []
     for dtype_name, dtype in DTYPES.items():
-        for batch in (1, 16, 64):
-            for name, (n, k) in GEMM_SHAPES.items():
-                gflop_s = gemm_gflops(batch, n, k, dtype, args.repeats)
-                weight_gb_s = gflop_s / (2 * batch) * dtype.itemsize  # the weights read, per second
-                gemm.append({"dtype": dtype_name, "batch": batch, "projection": name, "m": batch, "n": n, "k": k,
-                             "gflop_s": gflop_s, "weight_gb_s": weight_gb_s})
-        gemm.append({"dtype": dtype_name, "batch": 2048, "projection": "square 2048", "m": 2048, "n": 2048,
-                     "k": 2048, "gflop_s": gemm_gflops(2048, 2048, 2048, dtype, max(3, args.repeats // 4))})
-    streaming = {name: weight_streaming(dtype, args.repeats) for name, dtype in DTYPES.items()}
+        for path in paths(dtype):
+            for batch in BATCHES:
+                for name, (n, k) in GEMM_SHAPES.items():
+                    gflop_s = gemm_gflops(batch, n, k, dtype, args.repeats, path)
+                    weight_gb_s = gflop_s / (2 * batch) * dtype.itemsize  # the weights read, per second
+                    gemm.append({"dtype": dtype_name, "path": path, "batch": batch, "projection": name, "m": batch,
+                                 "n": n, "k": k, "gflop_s": gflop_s, "weight_gb_s": weight_gb_s})
+            gemm.append({"dtype": dtype_name, "path": path, "batch": 2048, "projection": "square 2048", "m": 2048,
+                         "n": 2048, "k": 2048,
+                         "gflop_s": gemm_gflops(2048, 2048, 2048, dtype, max(3, args.repeats // 4), path)})
+    passes = [model_pass(dtype, args.repeats, path, batch) | {"dtype": name}
+              for name, dtype in DTYPES.items() for path in paths(dtype) for batch in BATCHES]
+    streaming = [p for p in passes if p["batch"] == 1]
+    peaks = {name: {str(b): max(p["gflop_s"] for p in passes if p["dtype"] == name and p["batch"] == b)
+                    for b in BATCHES} for name in DTYPES}
     copy = copy_gb_s(args.repeats)
 
     print(f"torch {torch.__version__}, {args.threads} threads\n")
-    print("| dtype | batch | projection (M×N×K) | GFLOP/s | weights streamed (GB/s) |\n|---|---:|---|---:|---:|")
+    print("| dtype | path | batch | projection (M×N×K) | GFLOP/s | weights streamed (GB/s) |\n"
+          "|---|---|---:|---|---:|---:|")
     for row in gemm:
-        print(f"| {row['dtype']} | {row['batch']} | {row['projection']} ({row['m']}×{row['n']}×{row['k']}) "
-              f"| {row['gflop_s']:.0f} | {row.get('weight_gb_s', 0):.1f} |")
-    print("\n| dtype | weights (MB) | batch-1 pass (ms) | GB/s | tok/s bound |\n|---|---:|---:|---:|---:|")
-    for name, s in streaming.items():
-        print(f"| {name} | {s['weight_mb']:.0f} | {s['step_ms']:.2f} | {s['gb_s']:.1f} "
-              f"| {s['tokens_per_s_bound']:.0f} |")
+        print(f"| {row['dtype']} | {row['path']} | {row['batch']} | {row['projection']} "
+              f"({row['m']}×{row['n']}×{row['k']}) | {row['gflop_s']:.0f} | {row.get('weight_gb_s', 0):.1f} |")
+    print("\n| dtype | path | batch | model pass (ms) | GFLOP/s | weights GB/s | tok/s bound |\n"
+          "|---|---|---:|---:|---:|---:|---:|")
+    for s in passes:
+        print(f"| {s['dtype']} | {s['path']} | {s['batch']} | {s['step_ms']:.2f} | {s['gflop_s']:.0f} "
+              f"| {s['gb_s']:.1f} | {s['tokens_per_s_bound']:.0f} |")
     print(f"\nmemory copy (256 MiB, read + write): {copy:.1f} GB/s")
+    for dtype, by_batch in peaks.items():
+        print(f"decode peak, {dtype} (a step's matmuls, fastest path), GFLOP/s by batch: "
+              + ", ".join(f"{b}: {g:.0f}" for b, g in by_batch.items()))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": stamp(threads=args.threads, repeats=args.repeats), "gemm": gemm,
-                                    "weight_streaming": streaming, "copy_gb_s": copy}, indent=1))
+                                    "model_passes": passes, "weight_streaming": streaming, "copy_gb_s": copy,
+                                    "decode_peak": peaks},
+                                   indent=1))
     print(f"wrote {args.out}")
 
 

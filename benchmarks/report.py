@@ -31,6 +31,7 @@ from common import script_hash
 from report_api import api_overhead, chat_ttft
 from report_bandwidth import quantized, speculative
 from report_lora import lora
+from report_machine import machine_peak, step_profile
 from report_routing import prefix_routing
 from report_sections import Page, generic
 from report_vs_vllm import vs_vllm
@@ -41,7 +42,7 @@ SECTIONS: dict[str, Callable[[Page, dict], str]] = {
     "dp_overhead": sections.dp_overhead, "moe_waves": sections.moe_waves, "up_time": sections.up_time,
     "load": sections.load, "soak": sections.soak, "control_plane": sections.control_plane,
     "prefix_routing": prefix_routing, "chat_ttft": chat_ttft, "quantized": quantized,
-    "speculative": speculative, "lora": lora,
+    "speculative": speculative, "lora": lora, "machine_peak": machine_peak, "step_profile": step_profile,
 }
 
 BENCHMARKS: dict[str, tuple[str, str, str]] = {  # name: title, command, what it measures
@@ -81,9 +82,15 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {  # name: title, command, what it
                    "killed (and restarted) or frozen for 15 s. Failed requests, texts against the fault-free run, "
                    "migrations, the pause a migrated stream sees, the API server's RSS."),
     "machine_peak": ("What the machine can do: GEMM and memory bandwidth", "python benchmarks/machine_peak.py",
-                     "torch's CPU GEMM at SmolLM2's decode shapes (batch 1, 16, 64) and one large square, bfloat16 "
-                     "and float32; a batch-1 pass over every weight of the model (the bandwidth wall of batch-1 "
-                     "decode); a 256 MiB memory copy. The anchor engine figures are quoted against."),
+                     "torch's CPU GEMM at SmolLM2's decode shapes (batch 1, 16, 32, 64) and one large square, bfloat16 "
+                     "and float32, through torch's linear and (bfloat16) oneDNN packed weights; a pass over every "
+                     "weight of the model at each batch (the decode peak; at batch 1 the bandwidth wall); a 256 MiB "
+                     "memory copy. The anchor engine figures are quoted against."),
+    "step_profile": ("Where a decode step goes, against the machine's peak",
+                     "python benchmarks/step_profile.py --batch 64 --prompt-len 32 --steps 16 --dtype bfloat16",
+                     "One engine, the real SmolLM2: a decode step timed without the profiler, its matmul GFLOP/s as a "
+                     "fraction of machine_peak.py's decode peak at the same batch; then the step and a prefill step "
+                     "profiled by model part."),
     "quantized": ("Weights kept quantized: int8 and 4-bit against bfloat16", "python benchmarks/quantized.py",
                   "SmolLM2 bfloat16 activations, one engine: the GGUF file dequantized (bf16), int8 per channel, and "
                   "the file's own Q4_1 blocks kept (q4). Output tok/s and TPOT at concurrency 1 and 16, weight bytes "

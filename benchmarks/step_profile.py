@@ -5,6 +5,12 @@ torch ops (Python, scheduling, tensor building), and time per part of the model 
 each decoder layer's attention and MLP, final norm, lm_head + sampling) measured with
 forward hooks. Default: the real SmolLM2-135M-Instruct, batch 16, 64-token prompts.
 
+The decode step is also timed without the profiler and its hooks, and its work put against
+the machine: its matmul FLOPs (2 x batch x every projection's and the LM head's weights) and
+attention FLOPs per second, and its bytes (weights plus the KV read) per second, as a
+fraction of the decode peak and memory bandwidth that ``machine_peak.py`` measured (read
+from ``--peak``, benchmarks/results/machine_peak.json; run that first, nothing else running).
+
     python benchmarks/step_profile.py [--model M] [--batch 16] [--prompt-len 64] [--dtype bfloat16]
 """
 
@@ -72,8 +78,47 @@ def profile_steps(llm: LLM, steps: int) -> dict:
             "parts_ms": parts}
 
 
+def timed_steps(llm: LLM, steps: int) -> float:
+    """Milliseconds per engine step, no profiler or hooks."""
+    start = time.perf_counter()
+    for _ in range(steps):
+        llm.engine.step()
+    return 1000 * (time.perf_counter() - start) / steps
+
+
+def decode_work(llm: LLM, batch: int, context: int) -> dict:
+    """A decode step's FLOPs and bytes at ``batch`` sequences of ``context`` tokens."""
+    model = llm.engine.runner.model
+    spec = model.spec
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    per_layer = spec.hidden_size * (q + 2 * kv) + q * spec.hidden_size + 3 * spec.hidden_size * spec.intermediate_size
+    weights = spec.num_layers * per_layer + spec.vocab_size * spec.hidden_size  # LM head; the embedding is a lookup
+    itemsize = llm.engine.runner.dtype.itemsize
+    return {"matmul_flops": 2 * batch * weights,
+            "attention_flops": 4 * batch * spec.num_layers * spec.num_heads * spec.head_dim * context,
+            "weight_bytes": weights * itemsize, "kv_bytes": 2 * batch * spec.num_layers * kv * context * itemsize}
+
+
+def against_peak(work: dict, step_ms: float, batch: int, dtype: str, peak_path: Path) -> dict:
+    seconds = step_ms / 1000
+    result = {"matmul_gflop_s": work["matmul_flops"] / seconds / 1e9,
+              "gflop_s": (work["matmul_flops"] + work["attention_flops"]) / seconds / 1e9,
+              "gb_s": (work["weight_bytes"] + work["kv_bytes"]) / seconds / 1e9}
+    if not peak_path.exists():
+        print(f"no {peak_path}: run benchmarks/machine_peak.py first for the fractions of the machine's peak")
+        return result
+    peak = json.loads(peak_path.read_text())
+    by_batch = peak["decode_peak"].get(dtype, {})
+    if str(batch) in by_batch:
+        result |= {"decode_peak_gflop_s": by_batch[str(batch)],
+                   "matmul_fraction_of_peak": result["matmul_gflop_s"] / by_batch[str(batch)]}
+    result |= {"copy_gb_s": peak["copy_gb_s"], "fraction_of_copy_bandwidth": result["gb_s"] / peak["copy_gb_s"],
+               "peak_measured": peak["meta"]["date"]}
+    return result
+
+
 def start_requests(llm: LLM, batch: int, prompt_len: int, max_tokens: int, prefix: str) -> list[str]:
-    rng = random.Random(0)
+    rng = random.Random(prefix)  # warm-up and measured prompts differ: no prefix-cache hits
     vocab = llm.engine.vocab_size
     ids = [f"{prefix}{i}" for i in range(batch)]
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
@@ -98,6 +143,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--peak", type=Path, default=Path("benchmarks/results/machine_peak.json"))
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/step_profile.json"))
     args = parser.parse_args()
     llm = LLM(args.model, max_model_len=2048, kv_cache_gib=0.5, dtype=args.dtype,
@@ -109,10 +155,25 @@ def main() -> None:
     start_requests(llm, args.batch, args.prompt_len, args.steps * 4, "p")
     prefill = profile_steps(llm, 1)  # one step prefills the whole batch (budget allows it)
     decode = profile_steps(llm, args.steps)
+    decode["step_ms_unprofiled"] = timed_steps(llm, args.steps)
+    dtype = str(llm.engine.runner.dtype).removeprefix("torch.")
+    context = args.prompt_len + 3 * args.steps // 2  # the middle of the unprofiled steps
+    decode["work"] = decode_work(llm, args.batch, context)
+    decode["machine"] = against_peak(decode["work"], decode["step_ms_unprofiled"], args.batch, dtype, args.peak)
     print(f"model {args.model}, dtype {llm.engine.runner.dtype}, batch {args.batch}, prompt {args.prompt_len}, "
           f"threads {torch.get_num_threads()}")
     print_profile(f"prefill ({args.batch} x {args.prompt_len} tokens)", prefill)
     print_profile(f"decode (batch {args.batch})", decode)
+    machine = decode["machine"]
+    print(f"\ndecode without the profiler: {decode['step_ms_unprofiled']:.1f} ms per step, "
+          f"{args.batch / decode['step_ms_unprofiled'] * 1000:.0f} tok/s; matmuls {machine['matmul_gflop_s']:.0f} "
+          f"GFLOP/s, weights + KV {machine['gb_s']:.1f} GB/s")
+    if "matmul_fraction_of_peak" in machine:
+        print(f"  {machine['matmul_fraction_of_peak']:.0%} of the machine's decode peak at batch {args.batch} "
+              f"({machine['decode_peak_gflop_s']:.0f} GFLOP/s, machine_peak.py)")
+    if "fraction_of_copy_bandwidth" in machine:
+        print(f"  {machine['fraction_of_copy_bandwidth']:.0%} of the memory copy bandwidth "
+              f"({machine['copy_gb_s']:.1f} GB/s)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": stamp(model=args.model, batch=args.batch, prompt_len=args.prompt_len,
                                                   dtype=str(llm.engine.runner.dtype)),

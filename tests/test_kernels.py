@@ -141,6 +141,35 @@ def test_paged_attention_in_bfloat16_tracks_float32():
     torch.testing.assert_close(got.float(), want, rtol=0.02, atol=0.02)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int8_matmul_matches_the_dequantized_weight(dtype, threads):
+    """Rows 1 to 9 (one to five passes over each tile of weight rows), inputs that are a slice
+    of a wider tensor, a bias; against x @ (codes * scale)^T in float32. The kernel may quantize
+    each input row to 16 bits (int8.c), an error of at most half a step, max|x| / 65,534, per
+    input; its bound on each output is that times the row's sum of |weights|."""
+    from hybridlb.model.quantized import int8_rows
+
+    codes, scale = int8_rows(torch.randn(64, 128))
+    scale, bias = scale.to(dtype), torch.randn(64).to(dtype)
+    dense = codes.float() * scale.float()[:, None]
+    wide = torch.randn(9, 140).to(dtype)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows in range(1, 10):
+            x = wide[:rows, 7:135]  # rows 140 apart
+            want = x.float() @ dense.T + bias.float()
+            got = K.int8_matmul(x, codes, codes.sum(dim=1, dtype=torch.int32), scale, bias)
+            assert got.dtype == dtype and got.shape == (rows, 64)
+            bound = x.float().abs().amax(dim=1, keepdim=True) / 65534 * dense.abs().sum(dim=1) + 1e-5
+            if dtype == torch.bfloat16:
+                bound = bound + want.abs() * 2**-8  # the output's rounding
+            assert ((got.float() - want).abs() <= bound).all()
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_failing_compiler_is_reported_not_raised(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", "false")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))

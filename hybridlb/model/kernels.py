@@ -1,5 +1,5 @@
-"""The C kernels of ``csrc/`` (kernels.c, attention.c, lora.c): built once per machine with the system's C compiler,
-loaded with ctypes, called on torch tensors' memory.
+"""The C kernels of ``csrc/`` (kernels.c, attention.c, lora.c, int8.c): built once per machine
+with the system's C compiler, loaded with ctypes, called on torch tensors' memory.
 
 A CPU decoder layer in eager torch is ~60 small ops whose fixed cost (~5-10 µs each)
 dominates a decode step; these kernels fuse the small work between the matmuls into
@@ -33,7 +33,8 @@ SOURCE_DIR = Path(__file__).parent / "csrc"
 # loaded sonames), so both share one pool: no second set of threads contending for the cores.
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-fopenmp"]
 # kernels.c rounds exactly as torch does, so no fused multiply-adds there; attention.c may.
-UNITS = {"kernels.c": ["-ffp-contract=off"], "attention.c": ["-ffp-contract=fast"], "lora.c": ["-ffp-contract=fast"]}
+UNITS = {"kernels.c": ["-ffp-contract=off"], "attention.c": ["-ffp-contract=fast"], "lora.c": ["-ffp-contract=fast"],
+         "int8.c": ["-ffp-contract=fast"]}
 SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -43,7 +44,9 @@ SIGNATURES = {
     "paged_attention": [_P, _I, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _F, _I],
     "silu_mul": [_P, _P, _I, _I, _I],
     "lora_add": [_P, _I, _P, _I, _I, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I],
+    "int8_matmul": [_P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I],
 }
+INT8_TILE = 4  # int8.c's NTILE: output sizes the int8 kernel takes are multiples of this
 
 
 class CPUKernels:
@@ -116,6 +119,26 @@ class CPUKernels:
             a.data_ptr(), b.data_ptr(), b.shape[1], ranks.data_ptr(), columns.data_ptr(), columns.shape[0], stride,
             torch.get_num_threads(),
         )
+
+    def int8_matmul(self, x: torch.Tensor, codes: torch.Tensor, code_sums: torch.Tensor, scale: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+        """x [m, k] (rows may be strided) @ (codes [n, k] int8 * scale [n])^T + bias, in x's dtype
+        (int8.c; ``int8_fits`` says which shapes it takes). ``code_sums`` [n] int32: each row's
+        sum of codes."""
+        n, k = codes.shape
+        out = torch.empty((x.shape[0], n), dtype=x.dtype)
+        self._fns["int8_matmul", x.dtype](
+            x.data_ptr(), x.stride(0), codes.data_ptr(), code_sums.data_ptr(), scale.data_ptr(),
+            None if bias is None else bias.data_ptr(), out.data_ptr(), x.shape[0], n, k, torch.get_num_threads(),
+        )
+        return out
+
+
+def int8_fits(codes: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether int8.c takes this weight: on the CPU, an input size a multiple of 64, an output size
+    a multiple of INT8_TILE, activations in a dtype the kernels have."""
+    n, k = codes.shape
+    return codes.device.type == "cpu" and dtype in SUFFIXES and k % 64 == 0 and n % INT8_TILE == 0
 
 
 def fit(device: torch.device, dtype: torch.dtype, group: int, head_dim: int, block_size: int) -> bool:

@@ -1,8 +1,10 @@
 """Weights kept quantized in memory: the linear layers run on int8 or 4-bit weights through
 torch's CPU weight-only kernels, never holding a dequantized copy.
 
-* ``Int8Linear``: one int8 code per weight, one scale per output row (symmetric);
-  ``torch._weight_int8pack_mm``.
+* ``Int8Linear``: one int8 code per weight, one scale per output row (symmetric). Up to
+  INT8_KERNEL_ROWS rows (decode at low concurrency, where a step's time is the weights' bytes)
+  run on the engine's own kernel (``csrc/int8.c``: each code read once, widened in registers);
+  larger batches on ``torch._weight_int8pack_mm``.
 * ``Int4Linear``: a 4-bit code per weight and, per block of ``GROUP`` (32) weights of a row, a scale
   and an offset: ``w = scale * (code - 8) + zero``, torch's convention; ``_weight_int4pack_mm_for_cpu``
   on the layout ``_convert_weight_to_int4pack_for_cpu`` packs. GGUF's Q4_0 / Q4_1 blocks are exactly
@@ -22,10 +24,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hybridlb.model import kernels
+
 GROUP = 32
 PACK_ROWS = 16  # torch's 4-bit packing takes output sizes divisible by this (others are kept as int8)
 METHODS = ("int8", "int4", "gguf")
 INT8_MAX = 127
+INT8_KERNEL_ROWS = 32  # rows up to which int8.c runs the int8 matmul (faster than torch's up to here)
 
 
 def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,14 +66,20 @@ class Int8Linear(nn.Module):
         self.register_buffer("codes", codes.contiguous())
         self.register_buffer("scale", scale.to(dtype).contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
+        self.kernels = kernels.load() if kernels.int8_fits(self.codes, dtype) else None
+        if self.kernels is not None:
+            self.register_buffer("code_sums", self.codes.sum(dim=1, dtype=torch.int32), persistent=False)
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> Int8Linear:
         return cls(*int8_rows(weight), bias, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
-        out = torch._weight_int8pack_mm(flat.to(self.scale.dtype), self.codes, self.scale)
+        flat = x.reshape(-1, self.in_features).to(self.scale.dtype)
+        if self.kernels is not None and flat.shape[0] <= INT8_KERNEL_ROWS and flat.stride(-1) == 1:
+            out = self.kernels.int8_matmul(flat, self.codes, self.code_sums, self.scale, self.bias)
+            return out.reshape(*x.shape[:-1], self.out_features)
+        out = torch._weight_int8pack_mm(flat, self.codes, self.scale)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
