@@ -92,6 +92,13 @@ static inline float sum16(float *lanes) {
     return lanes[0];
 }
 
+/* Sum of a vector's 16 lanes, as sum16. */
+static inline float hsum16(f32x16 v) {
+    float lanes[16];
+    memcpy(lanes, &v, sizeof lanes);
+    return sum16(lanes);
+}
+
 /* The kernels run on torch's OpenMP thread pool (kernels.py links the same runtime), whose
  * workers are still spinning from the matmul before, so handing them work is cheap. Below
  * these sizes one thread is still faster: (context token, query head) pairs for attention,

@@ -115,11 +115,7 @@ static inline __attribute__((always_inline)) void int8_tile_float(const float *x
         }
     }
     for (int64_t i = 0; i < rows; i++)
-        for (int64_t j = 0; j < NTILE; j++) {
-            float lanes[16];
-            memcpy(lanes, &acc[i][j], sizeof lanes);
-            sums[i * NTILE + j] = sum16(lanes);
-        }
+        for (int64_t j = 0; j < NTILE; j++) sums[i * NTILE + j] = hsum16(acc[i][j]);
 }
 #endif
 

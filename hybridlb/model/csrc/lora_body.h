@@ -26,9 +26,7 @@ static inline __attribute__((always_inline)) void NAME(lora_shrink)(const int N,
         }
         for (int j = 0; j < N; j++)
             for (int k = 0; k < RANKS; k++) {
-                float lanes[16];
-                memcpy(lanes, &s[j][k], sizeof lanes);
-                float sum = sum16(lanes);
+                float sum = hsum16(s[j][k]);
                 for (int64_t i = whole; i < in; i++) sum += x[j * in + i] * LOAD(a[(r + k) * in + i]);
                 xa[j][r + k] = sum;
             }
