@@ -1,10 +1,10 @@
 """Weights kept quantized in memory: the linear layers run on int8 or 4-bit weights through
-torch's CPU weight-only kernels, never holding a dequantized copy.
+the engine's int8 kernel or torch's CPU weight-only kernels, never holding a dequantized copy.
 
 * ``Int8Linear``: one int8 code per weight, one scale per output row (symmetric). Up to
   INT8_KERNEL_ROWS rows (decode at low concurrency, where a step's time is the weights' bytes)
-  run on the engine's own kernel (``csrc/int8.c``: each code read once, widened in registers);
-  larger batches on ``torch._weight_int8pack_mm``.
+  run on the engine's own kernel (``csrc/int8.c``: each code read once and multiplied as an
+  integer, AVX-512 VNNI); larger batches on ``torch._weight_int8pack_mm``.
 * ``Int4Linear``: a 4-bit code per weight and, per block of ``GROUP`` (32) weights of a row, a scale
   and an offset: ``w = scale * (code - 8) + zero``, torch's convention; ``_weight_int4pack_mm_for_cpu``
   on the layout ``_convert_weight_to_int4pack_for_cpu`` packs. GGUF's Q4_0 / Q4_1 blocks are exactly
