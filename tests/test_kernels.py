@@ -182,3 +182,52 @@ def test_a_failing_compiler_is_reported_not_raised(monkeypatch, tmp_path):
         monkeypatch.undo()
         kernels.load.cache_clear()
         assert kernels.load() is not None
+
+
+BF16_MATMUL = pytest.mark.skipif(K is None or not K.bf16_matmul_supported,
+                                 reason="bf16.c's matmul needs a CPU with AVX-512 BF16")
+
+
+@BF16_MATMUL
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bf16_matmul_matches_float32_up_to_the_outputs_rounding(threads):
+    """Every row count from 1 to 14 (one to three row groups over each panel group), 40 rows (a
+    prefill), 5 panels of 16 columns (a group of 4 and a group of 1, split unevenly over two
+    threads), inputs that are a slice of a wider tensor, with and without a bias. The products
+    are exact and summed in float32, so each output is float32's x @ w^T + bias rounded once to
+    bfloat16: within half a bfloat16 step (at most 2^-8 of it), plus float32's summation order."""
+    weight, bias = torch.randn(80, 128).bfloat16(), torch.randn(80).bfloat16()
+    packed = K.bf16_pack(weight)
+    wide = torch.randn(40, 140).bfloat16()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows in [*range(1, 15), 40]:
+            x = wide[:rows, 7:135]  # rows 140 apart
+            for b in (bias, None):
+                want = x.float() @ weight.float().T + (0 if b is None else b.float())
+                got = K.bf16_matmul(x, packed, b, 80)
+                assert got.dtype == torch.bfloat16 and got.shape == (rows, 80)
+                bound = want.abs() * 2**-8 + 1e-4 * (x.float().abs() @ weight.float().abs().T)
+                assert ((got.float() - want).abs() <= bound).all(), f"{rows} rows, bias {b is not None}"
+    finally:
+        torch.set_num_threads(before)
+
+
+@BF16_MATMUL
+def test_packed_linear_runs_on_the_bf16_kernel_and_agrees_with_torch():
+    """A model's linear layers, packed for bf16.c, give F.linear's result up to one rounding of the
+    output (any leading shape); a weight the kernel does not take (8 outputs) stays on oneDNN."""
+    from torch import nn
+
+    from hybridlb.model.layers import PackedLinear
+
+    for outputs, on_kernel in ((96, True), (8, False)):
+        linear = nn.Linear(64, outputs, bias=True).bfloat16()
+        packed = PackedLinear(linear, K)
+        assert (packed.kernels is not None) == on_kernel
+        x = torch.randn(3, 5, 64).bfloat16()
+        want = torch.nn.functional.linear(x.float(), linear.weight.float(), linear.bias.float())
+        got = packed(x)
+        assert got.shape == (3, 5, outputs)
+        torch.testing.assert_close(got.float(), want, rtol=2**-8, atol=1e-2)

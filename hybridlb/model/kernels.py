@@ -1,4 +1,4 @@
-"""The C kernels of ``csrc/`` (kernels.c, attention.c, lora.c, int8.c): built once per machine
+"""The C kernels of ``csrc/`` (kernels.c, attention.c, lora.c, int8.c, bf16.c): built once per machine
 with the system's C compiler, loaded with ctypes, called on torch tensors' memory.
 
 A CPU decoder layer in eager torch is ~60 small ops whose fixed cost (~5-10 µs each)
@@ -34,7 +34,7 @@ SOURCE_DIR = Path(__file__).parent / "csrc"
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-fopenmp"]
 # kernels.c rounds exactly as torch does, so no fused multiply-adds there; attention.c may.
 UNITS = {"kernels.c": ["-ffp-contract=off"], "attention.c": ["-ffp-contract=fast"], "lora.c": ["-ffp-contract=fast"],
-         "int8.c": ["-ffp-contract=fast"]}
+         "int8.c": ["-ffp-contract=fast"], "bf16.c": ["-ffp-contract=fast"]}
 SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -47,6 +47,8 @@ SIGNATURES = {
     "int8_matmul": [_P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I],
 }
 INT8_TILE = 4  # int8.c's NTILE: output sizes the int8 kernel takes are multiples of this
+BF16_PANEL = 16  # bf16.c's PANEL: output sizes the bfloat16 matmul takes are multiples of this
+BF16_ONLY = {"bf16_pack": [_P, _P, _I, _I, _I], "bf16_matmul": [_P, _I, _P, _P, _P, _I, _I, _I, _I]}
 
 
 class CPUKernels:
@@ -60,6 +62,13 @@ class CPUKernels:
                 fn = getattr(library, f"{name}_{suffix}")
                 fn.argtypes, fn.restype = argtypes, None
                 self._fns[name, dtype] = fn
+        for name, argtypes in BF16_ONLY.items():
+            fn = getattr(library, name)
+            fn.argtypes, fn.restype = argtypes, None
+            self._fns[name, torch.bfloat16] = fn
+        library.bf16_matmul_supported.restype = ctypes.c_int64
+        # bf16.c's matmul needs AVX-512 BF16 (vdpbf16ps); without it the linear layers stay on oneDNN.
+        self.bf16_matmul_supported = bool(library.bf16_matmul_supported())
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -120,6 +129,25 @@ class CPUKernels:
             torch.get_num_threads(),
         )
 
+    def bf16_pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """A bfloat16 weight [n, k] in the layout ``bf16_matmul`` reads (bf16.c: panels of 16 output
+        columns, input pairs interleaved), as a flat tensor; ``bf16_fits`` says which weights it takes."""
+        weight = weight.contiguous()
+        packed = torch.empty(weight.numel(), dtype=torch.bfloat16)
+        self._fns["bf16_pack", torch.bfloat16](weight.data_ptr(), packed.data_ptr(), weight.shape[0],
+                                               weight.shape[1], torch.get_num_threads())
+        return packed
+
+    def bf16_matmul(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+        """x [m, k] bfloat16 (rows may be strided, elements contiguous) @ w^T + bias → [m, n], w [n, k]
+        packed by ``bf16_pack``. Only where ``bf16_matmul_supported``."""
+        out = torch.empty((x.shape[0], n), dtype=torch.bfloat16)
+        self._fns["bf16_matmul", torch.bfloat16](
+            x.data_ptr(), x.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
+            x.shape[0], n, x.shape[1], torch.get_num_threads(),
+        )
+        return out
+
     def int8_matmul(self, x: torch.Tensor, codes: torch.Tensor, code_sums: torch.Tensor, scale: torch.Tensor,
                     bias: torch.Tensor | None) -> torch.Tensor:
         """x [m, k] (rows may be strided) @ (codes [n, k] int8 * scale [n])^T + bias, in x's dtype
@@ -132,6 +160,13 @@ class CPUKernels:
             None if bias is None else bias.data_ptr(), out.data_ptr(), x.shape[0], n, k, torch.get_num_threads(),
         )
         return out
+
+
+def bf16_fits(weight: torch.Tensor) -> bool:
+    """Whether bf16.c's matmul takes this weight (given a CPU with AVX-512 BF16): a bfloat16 CPU
+    matrix whose output size is a multiple of BF16_PANEL and input size even."""
+    n, k = weight.shape
+    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and n % BF16_PANEL == 0 and k % 2 == 0
 
 
 def int8_fits(codes: torch.Tensor, dtype: torch.dtype) -> bool:

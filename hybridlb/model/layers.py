@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridlb.model.kernels import CPUKernels
+from hybridlb.model.kernels import CPUKernels, bf16_fits
 
 
 class RMSNorm(nn.Module):
@@ -151,18 +151,35 @@ class DenseMLP(nn.Module):
 
 
 class PackedLinear(nn.Module):
-    """A CPU bfloat16 linear layer whose weight oneDNN reordered once, at load, into the
-    blocked layout its matmul kernel reads (the weight is then held only in that form).
-    Results are identical to ``F.linear``; small-batch matmuls run up to 2x faster
-    because they no longer reorder the weight on every call."""
+    """A CPU bfloat16 linear layer whose weight was reordered once, at load, into the layout
+    its matmul reads (the weight is then held only in that form):
 
-    def __init__(self, linear: nn.Linear, batch_hint: int = 64):
+    * with the engine's kernels on a CPU with AVX-512 BF16, bf16.c's (``kernels.bf16_pack``):
+      at every batch size at least as fast as oneDNN, and at batch 1-16 1.2-1.7x faster,
+      streaming the weights near the memory's read bandwidth;
+    * otherwise oneDNN's blocked layout: results identical to ``F.linear``, and small-batch
+      matmuls up to 2x faster than ``F.linear``, which reorders the weight on every call.
+    """
+
+    def __init__(self, linear: nn.Linear, kernels: CPUKernels | None = None, batch_hint: int = 64):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
+        weight = linear.weight.detach()
+        self.kernels = None
+        if kernels is not None and kernels.bf16_matmul_supported and bf16_fits(weight):
+            self.kernels = kernels
+            self.packed = kernels.bf16_pack(weight)
+        else:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None and x.dim() == 2 and x.stride(-1) == 1:
+            return self.kernels.bf16_matmul(x, self.packed, self.bias, self.out_features)
+        if self.kernels is not None:
+            flat = x.reshape(-1, self.in_features).contiguous()
+            out = self.kernels.bf16_matmul(flat, self.packed, self.bias, self.out_features)
+            return out.view(*x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
