@@ -83,9 +83,10 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {  # name: title, command, what it
                    "migrations, the pause a migrated stream sees, the API server's RSS."),
     "machine_peak": ("What the machine can do: GEMM and memory bandwidth", "python benchmarks/machine_peak.py",
                      "torch's CPU GEMM at SmolLM2's decode shapes (batch 1, 16, 32, 64) and one large square, bfloat16 "
-                     "and float32, through torch's linear and (bfloat16) oneDNN packed weights; a pass over every "
-                     "weight of the model at each batch (the decode peak; at batch 1 the bandwidth wall); a 256 MiB "
-                     "memory copy. The anchor engine figures are quoted against."),
+                     "and float32, through torch's linear and (bfloat16) oneDNN packed weights, the engine's bf16.c "
+                     "and int8.c; a pass over every weight of the model at each batch (the decode peak; at batch 1 "
+                     "the bandwidth wall); a 256 MiB memory copy and sum. The anchor engine figures are quoted "
+                     "against."),
     "step_profile": ("Where a decode step goes, against the machine's peak",
                      "python benchmarks/step_profile.py --batch 64 --prompt-len 32 --steps 16 --dtype bfloat16",
                      "One engine, the real SmolLM2: a decode step timed without the profiler, its matmul GFLOP/s as a "

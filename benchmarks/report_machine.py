@@ -10,8 +10,9 @@ def machine_peak(page: Page, data: dict) -> str:
     passes = data["model_passes"]
     page.text("A model pass: every projection of SmolLM2-135M's 30 layers plus the LM head, fresh weights each "
               "(nothing stays in cache between layers), at the batch of a decode step. The fastest path's GFLOP/s "
-              "at a batch is the **decode peak** a step's matmuls can reach; the engine runs the oneDNN packed "
-              "path.")
+              "at a batch is the **decode peak** a step's matmuls can reach (int8.c, which reads half the bytes, "
+              "left out). The engine's bfloat16 layers run `hybridlb bf16.c` where the CPU has AVX-512 BF16, "
+              "else oneDNN packed; `--quantization int8` runs `hybridlb int8.c` up to 32 rows.")
     page.table(["dtype", "path", "batch", "pass ms", "GFLOP/s", "weights GB/s", "tok/s bound"],
                [[p["dtype"], p["path"], p["batch"], p["step_ms"], p["gflop_s"], p["gb_s"], p["tokens_per_s_bound"]]
                 for p in passes])
@@ -20,7 +21,8 @@ def machine_peak(page: Page, data: dict) -> str:
     page.table(["dtype", "path", "M×N×K", "GFLOP/s"],
                [[g["dtype"], g["path"], f"{g['m']}×{g['n']}×{g['k']} ({g['projection']})", g["gflop_s"]]
                 for g in data["gemm"] if g["batch"] in (1, 64, 2048)])
-    page.text(f"Memory copy (256 MiB, read + write): **{data['copy_gb_s']:.1f} GB/s**.")
+    read = f"; read (256 MiB summed): **{data['read_gb_s']:.1f} GB/s**" if "read_gb_s" in data else ""
+    page.text(f"Memory copy (256 MiB, read + write): **{data['copy_gb_s']:.1f} GB/s**{read}.")
     peaks = data["decode_peak"]
 
     def draw(ax):
@@ -30,7 +32,8 @@ def machine_peak(page: Page, data: dict) -> str:
 
     page.figure("machine_peak", "decode peak GFLOP/s by batch and dtype", draw)
     bf16 = peaks["bfloat16"]
-    one = min((p for p in passes if p["dtype"] == "bfloat16" and p["batch"] == 1), key=lambda p: p["step_ms"])
+    one = min((p for p in passes if p["dtype"] == "bfloat16" and p["batch"] == 1 and "int8" not in p["path"]),
+              key=lambda p: p["step_ms"])
     return (f"bf16 decode peak {bf16['16']:.0f} / {bf16['64']:.0f} GFLOP/s at batch 16 / 64; batch-1 weights "
             f"{one['gb_s']:.1f} GB/s (≤ {one['tokens_per_s_bound']:.0f} tok/s); copy {data['copy_gb_s']:.1f} GB/s")
 
@@ -52,6 +55,9 @@ def step_profile(page: Page, data: dict) -> str:
                   machine["decode_peak_gflop_s"]],
                  ["**matmuls as a fraction of the decode peak**", f"**{machine['matmul_fraction_of_peak']:.0%}**"],
                  ["bytes as a fraction of the memory copy bandwidth", f"{machine['fraction_of_copy_bandwidth']:.0%}"]]
+        if "fraction_of_read_bandwidth" in machine:
+            rows.append(["bytes as a fraction of the memory read bandwidth",
+                         f"{machine['fraction_of_read_bandwidth']:.0%}"])
     page.table(["decode step", "value"], rows)
     for title, result in ((f"Decode (batch {batch})", decode), (f"Prefill ({batch} × {meta['prompt_len']})", prefill)):
         page.text(f"{title}, under the profiler: {result['step_ms']:.1f} ms per step, "

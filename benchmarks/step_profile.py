@@ -114,6 +114,8 @@ def against_peak(work: dict, step_ms: float, batch: int, dtype: str, peak_path: 
                    "matmul_fraction_of_peak": result["matmul_gflop_s"] / by_batch[str(batch)]}
     result |= {"copy_gb_s": peak["copy_gb_s"], "fraction_of_copy_bandwidth": result["gb_s"] / peak["copy_gb_s"],
                "peak_measured": peak["meta"]["date"]}
+    if "read_gb_s" in peak:  # weights are only read: the read bandwidth is their bound
+        result |= {"read_gb_s": peak["read_gb_s"], "fraction_of_read_bandwidth": result["gb_s"] / peak["read_gb_s"]}
     return result
 
 
@@ -174,6 +176,9 @@ def main() -> None:
     if "fraction_of_copy_bandwidth" in machine:
         print(f"  {machine['fraction_of_copy_bandwidth']:.0%} of the memory copy bandwidth "
               f"({machine['copy_gb_s']:.1f} GB/s)")
+    if "fraction_of_read_bandwidth" in machine:
+        print(f"  {machine['fraction_of_read_bandwidth']:.0%} of the memory read bandwidth "
+              f"({machine['read_gb_s']:.1f} GB/s)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": stamp(model=args.model, batch=args.batch, prompt_len=args.prompt_len,
                                                   dtype=str(llm.engine.runner.dtype)),
