@@ -83,6 +83,12 @@ def linear_fn(weight: torch.Tensor, path: str):
     return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
+def engine_path() -> str:
+    """The path the engine's bfloat16 linear layers take on this machine (``PackedLinear``)."""
+    cpu = kernels.load()
+    return KERNEL if cpu is not None and cpu.bf16_matmul_supported else PACKED
+
+
 def paths(dtype: torch.dtype) -> list[str]:
     if dtype != torch.bfloat16:
         return ["torch linear"]

@@ -32,7 +32,7 @@ from pathlib import Path
 import httpx
 import torch
 from common import SMOLLM2, Server, drive, smollm2_hf_dir, stamp
-from machine_peak import PACKED, weight_streaming
+from machine_peak import engine_path, weight_streaming
 
 CONFIGS = {"bf16": [], "int8": ["--quantization", "int8"], "q4": ["--quantization", "gguf"]}
 SHAPES = [(32, 64, 1), (32, 64, 16)]
@@ -129,7 +129,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count())
     tokenizer_dir = None if args.no_lm_eval else smollm2_hf_dir(args.models_dir)
-    streaming = weight_streaming(torch.bfloat16, 20, PACKED)  # nothing else running; the engine's path
+    streaming = weight_streaming(torch.bfloat16, 20, engine_path())  # nothing else running; the engine's path
     print(f"bfloat16 batch-1 weight streaming: {streaming['gb_s']:.1f} GB/s", flush=True)
     step_bytes = {name: streamed_bytes(flags[1] if flags else None) for name, flags in CONFIGS.items()}
     runs: dict[str, list[dict]] = {name: [] for name in CONFIGS}

@@ -191,7 +191,7 @@ BF16_MATMUL = pytest.mark.skipif(K is None or not K.bf16_matmul_supported,
 @BF16_MATMUL
 @pytest.mark.parametrize("threads", [1, 2])
 def test_bf16_matmul_matches_float32_up_to_the_outputs_rounding(threads):
-    """Every row count from 1 to 14 (one to three row groups over each panel group), 40 rows (a
+    """No rows, every row count from 1 to 14 (one to three row groups over each panel group), 40 rows (a
     prefill), 5 panels of 16 columns (a group of 4 and a group of 1, split unevenly over two
     threads), inputs that are a slice of a wider tensor, with and without a bias. The products
     are exact and summed in float32, so each output is float32's x @ w^T + bias rounded once to
@@ -202,7 +202,7 @@ def test_bf16_matmul_matches_float32_up_to_the_outputs_rounding(threads):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for rows in [*range(1, 15), 40]:
+        for rows in [0, *range(1, 15), 40]:  # 0: an expert-parallel dummy step
             x = wide[:rows, 7:135]  # rows 140 apart
             for b in (bias, None):
                 want = x.float() @ weight.float().T + (0 if b is None else b.float())

@@ -125,11 +125,12 @@ static void bf16_panels(const uint16_t *x, int64_t x_stride, const uint16_t *pac
 #endif
 
 /* out [m, n] contiguous = x [m, k] (rows x_stride apart) @ w^T + bias (bias may be NULL), w packed
- * by bf16_pack. Does nothing where bf16_matmul_supported() is 0. */
+ * by bf16_pack; m may be 0. Does nothing where bf16_matmul_supported() is 0. */
 void bf16_matmul(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *bias, uint16_t *out,
                  int64_t m, int64_t n, int64_t k, int64_t threads) {
 #ifdef BF16_DOT
     int64_t panels = n / PANEL;
+    if (m <= 0) return; /* an expert-parallel dummy step has no rows */
     if (threads > panels) threads = panels;
     if (threads <= 1 || m * n * k < 64 * PARALLEL_MIN_ELEMENTS) {
         bf16_panels(x, x_stride, packed, bias, out, m, n, k, 0, panels);
