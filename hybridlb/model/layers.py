@@ -174,10 +174,8 @@ class PackedLinear(nn.Module):
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels is not None and x.dim() == 2 and x.stride(-1) == 1:
-            return self.kernels.bf16_matmul(x, self.packed, self.bias, self.out_features)
-        if self.kernels is not None:
-            flat = x.reshape(-1, self.in_features).contiguous()
+        if self.kernels is not None:  # 2-D input with contiguous rows as it is (rows may be strided)
+            flat = x if x.dim() == 2 and x.stride(-1) == 1 else x.reshape(-1, self.in_features).contiguous()
             out = self.kernels.bf16_matmul(flat, self.packed, self.bias, self.out_features)
             return out.view(*x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
