@@ -6,10 +6,12 @@ promise); attention is compared in float32 within accumulation-order tolerance.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
-from hybridlb.model import kernels
+from hybridlb.model import kernels, memory
 from hybridlb.model.attention import AttentionBatch, DecodeGroup, PagedAttention, PagedTable, PrefillChunk
 from hybridlb.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 
@@ -231,3 +233,32 @@ def test_packed_linear_runs_on_the_bf16_kernel_and_agrees_with_torch():
         got = packed(x)
         assert got.shape == (3, 5, outputs)
         torch.testing.assert_close(got.float(), want, rtol=2**-8, atol=1e-2)
+
+
+def _huge_page_kib(address: int) -> int:
+    """AnonHugePages of the mapping of this process that holds ``address``."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            low, high = (int(part, 16) for part in head.split("-"))
+            inside = low <= address < high
+        elif inside and line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    return 0
+
+
+def test_kv_cache_buffers_are_zeroed_independent_and_on_huge_pages():
+
+    shapes = [(300, 3, 64, 16), (300, 3, 16, 64), (7, 5)]
+    tensors = memory.zeros(shapes, torch.bfloat16)
+    assert [tuple(t.shape) for t in tensors] == shapes
+    assert all(t.dtype == torch.bfloat16 and t.is_contiguous() and not t.any() for t in tensors)
+    assert all(t.data_ptr() % 64 == 0 for t in tensors)
+    for i, t in enumerate(tensors):
+        t.fill_(i + 1)
+    assert [t.unique().tolist() for t in tensors] == [[1.0], [2.0], [3.0]]
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not mode.exists() or "[never]" in mode.read_text():
+        pytest.skip("transparent huge pages are off on this machine")
+    assert _huge_page_kib(tensors[0].data_ptr()) >= 2048

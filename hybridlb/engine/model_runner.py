@@ -17,7 +17,7 @@ from hybridlb.engine.expert_parallel import ExpertParallel, expert_range, init_g
 from hybridlb.engine.request import Request
 from hybridlb.engine.sampler import Sampler
 from hybridlb.engine.scheduler import ScheduledChunk
-from hybridlb.model import kernels
+from hybridlb.model import kernels, memory
 from hybridlb.model.attention import AttentionBatch, DecodeGroup, PagedTable, PrefillChunk
 from hybridlb.model.loader import load_model
 from hybridlb.model.lora import ModelAdapters
@@ -129,10 +129,14 @@ class ModelRunner:
         return budget
 
     def _allocate_cache(self) -> None:
-        for attention in self.model.attention_layers():
-            keys, values = attention.cache_shapes(self.num_blocks, self.block_size)
-            attention.k_cache = torch.zeros(keys, dtype=self.dtype, device=self.device)
-            attention.v_cache = torch.zeros(values, dtype=self.dtype, device=self.device)
+        layers = self.model.attention_layers()
+        shapes = [shape for attention in layers for shape in attention.cache_shapes(self.num_blocks, self.block_size)]
+        if self.device.type == "cpu":  # one buffer on huge pages (model/memory.py)
+            caches = memory.zeros(shapes, self.dtype)
+        else:
+            caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for shape in shapes]
+        for i, attention in enumerate(layers):
+            attention.k_cache, attention.v_cache = caches[2 * i], caches[2 * i + 1]
 
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk]) -> list[int]:

@@ -129,11 +129,14 @@ class CPUKernels:
             torch.get_num_threads(),
         )
 
-    def bf16_pack(self, weight: torch.Tensor) -> torch.Tensor:
+    def bf16_pack(self, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """A bfloat16 weight [n, k] in the layout ``bf16_matmul`` reads (bf16.c: panels of 16 output
-        columns, input pairs interleaved), as a flat tensor; ``bf16_fits`` says which weights it takes."""
+        columns, input pairs interleaved), as a flat tensor (``out``, [n * k] contiguous, if given);
+        ``bf16_fits`` says which weights it takes."""
         weight = weight.contiguous()
-        packed = torch.empty(weight.numel(), dtype=torch.bfloat16)
+        packed = torch.empty(weight.numel(), dtype=torch.bfloat16) if out is None else out
+        if packed.shape != (weight.numel(),) or packed.dtype != torch.bfloat16 or not packed.is_contiguous():
+            raise ValueError(f"bf16_pack: out must be a contiguous bfloat16 [{weight.numel()}] tensor")
         self._fns["bf16_pack", torch.bfloat16](weight.data_ptr(), packed.data_ptr(), weight.shape[0],
                                                weight.shape[1], torch.get_num_threads())
         return packed

@@ -161,17 +161,24 @@ class PackedLinear(nn.Module):
       matmuls up to 2x faster than ``F.linear``, which reorders the weight on every call.
     """
 
-    def __init__(self, linear: nn.Linear, kernels: CPUKernels | None = None, batch_hint: int = 64):
+    def __init__(self, linear: nn.Linear, kernels: CPUKernels | None = None, batch_hint: int = 64,
+                 into: torch.Tensor | None = None):
+        """``into``: where bf16.c's packed weight goes ([out * in] bfloat16, e.g. a slice of one
+        huge-page buffer for the whole model, see ``CausalLM.use_cpu_kernels``)."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
         self.kernels = None
-        if kernels is not None and kernels.bf16_matmul_supported and bf16_fits(weight):
+        if self.runs_on_bf16_kernel(weight, kernels):
             self.kernels = kernels
-            self.packed = kernels.bf16_pack(weight)
+            self.packed = kernels.bf16_pack(weight, into)
         else:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
         self.bias = linear.bias
+
+    @staticmethod
+    def runs_on_bf16_kernel(weight: torch.Tensor, kernels: CPUKernels | None) -> bool:
+        return kernels is not None and kernels.bf16_matmul_supported and bf16_fits(weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:  # 2-D input with contiguous rows as it is (rows may be strided)

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from hybridlb.checkpoint.spec import ModelSpec
+from hybridlb.model import memory
 from hybridlb.model.attention import AttentionBatch, PagedAttention
 from hybridlb.model.kernels import CPUKernels
 from hybridlb.model.layers import DenseMLP, ExpertDispatch, MoEBlock, PackedLinear, RMSNorm, RotaryEmbedding
@@ -122,7 +123,14 @@ class CausalLM(nn.Module):
                 module.kernels = kernels
         if not pack_linears:
             return
-        for module in list(self.modules()):
-            for name, child in list(module.named_children()):
-                if isinstance(child, nn.Linear):
-                    setattr(module, name, PackedLinear(child, kernels))
+        linears = [(module, name, child) for module in list(self.modules())
+                   for name, child in module.named_children() if isinstance(child, nn.Linear)]
+        # bf16.c's packed weights share one huge-page buffer (model/memory.py), filled as each
+        # is packed and its checkpoint weight dropped, so memory peaks at one copy plus a layer.
+        fast = [PackedLinear.runs_on_bf16_kernel(child.weight, kernels) for _, _, child in linears]
+        sizes = [(child.weight.numel(),) for (_, _, child), on_kernel in zip(linears, fast, strict=True) if on_kernel]
+        slots = iter(memory.empty(sizes, torch.bfloat16))
+        linears.reverse()
+        for on_kernel in fast:
+            module, name, child = linears.pop()  # the list must not keep the replaced weights alive
+            setattr(module, name, PackedLinear(child, kernels, into=next(slots) if on_kernel else None))

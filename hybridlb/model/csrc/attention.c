@@ -33,8 +33,19 @@ static void normalise(float *scores, int64_t stride, const int64_t *counts, int6
     }
 }
 
+/* Where a thread's prefetches stand: the key and value block of each block it will read, in
+ * order, and the index of the block it reads now. */
+struct prefetch_cursor {
+    const char **keys, **values;
+    int64_t count, next;
+};
+
 #define MAX_THREADS 64
 #define MAX_VECTORS 16 /* query vectors per tile, so at most 16 query heads per kv head */
+#ifndef PREFETCH_BLOCKS
+#define PREFETCH_BLOCKS 8
+#define PF_LEVEL 1 /* how many blocks ahead the keys are requested */
+#endif
 
 #define T float
 #define SUFFIX f32

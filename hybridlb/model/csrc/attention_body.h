@@ -17,57 +17,86 @@ static void NAME(load_queries)(const struct attention_job *job, const T *q, int6
  * (`group` heads of each of vectors / group consecutive query rows), vector v seeing the
  * first counts[v] cached tokens (the causal limit of its row); `len` is the largest count.
  * Scores of 16 tokens come from `dim` vector FMAs against the transposed key block (no
- * horizontal sums); the output is then built 16 dimensions at a time, each value vector
- * loaded once for all the tile's query vectors. Inlined per tile size so that the
- * accumulators stay in registers. `scores` holds vectors * table_width * block_size
- * floats, `query` dim * MAX_VECTORS. */
+ * horizontal sums), in two chains (even and odd dimensions) so that a small tile's few
+ * accumulators do not wait on each other's latency. The output is then built `chunks` x 16
+ * dimensions at a time, token by token: each value row is loaded once for all the tile's
+ * query vectors and every accumulator is its own chain. Inlined per tile size and chunk
+ * count so that the accumulators stay in registers. `scores` holds vectors * table_width *
+ * block_size floats, `query` dim * MAX_VECTORS. */
 static inline __attribute__((always_inline)) void NAME(attend_tile)(
         const struct attention_job *job, const int32_t *table, const int64_t *counts, int64_t len,
-        const T *q, T *out, int64_t kh, const int64_t vectors, float *scores, float *query) {
+        const T *q, T *out, int64_t kh, const int64_t vectors, const int64_t chunks, float *scores,
+        float *query, struct prefetch_cursor *ahead) {
     const T *k_cache = job->k_cache, *v_cache = job->v_cache;
     int64_t group = job->heads / job->kv_heads, dim = job->dim, block_size = job->block_size;
     int64_t blocks = (len + block_size - 1) / block_size, padded = blocks * block_size;
     NAME(load_queries)(job, q, kh, vectors, query);
     int64_t block_elems = dim * block_size, lines = block_elems * (int64_t)sizeof(T) / 64;
+    const int64_t split = vectors <= 8 ? 2 : 1; /* chains per query vector */
     for (int64_t j = 0; j < blocks; j++) {
         const T *keys = k_cache + ((int64_t)table[j] * job->kv_heads + kh) * block_elems;
         /* Blocks sit anywhere in the cache, so the hardware prefetcher cannot guess the next
-         * one: request it (keys, then this block's values) while this one is computed. In a
-         * served step, where the KV is cold, this took a batch-32 x 280-token call from
-         * ~1.5 ms to ~1.2 ms. */
-        const T *next = j + 1 < blocks ? k_cache + ((int64_t)table[j + 1] * job->kv_heads + kh) * block_elems : NULL;
-        const T *values = v_cache + ((int64_t)table[j] * job->kv_heads + kh) * block_elems;
-        for (int64_t line = 0; line < lines; line++) {
-            if (next) __builtin_prefetch((const char *)next + 64 * line);
-            __builtin_prefetch((const char *)values + 64 * line);
+         * ones: the keys and values of the block PREFETCH_BLOCKS ahead in this thread's work
+         * (the next tile's first blocks at a tile's end) are requested while this one is
+         * computed, a line or two per dimension so that the requests never queue up. */
+        const char *far_keys = NULL, *far_values = NULL;
+        if (ahead->next + PREFETCH_BLOCKS < ahead->count) {
+            far_keys = ahead->keys[ahead->next + PREFETCH_BLOCKS];
+            far_values = ahead->values[ahead->next + PREFETCH_BLOCKS];
         }
+        ahead->next++;
         for (int64_t sub = 0; sub < block_size && j * block_size + sub < len; sub += 16) {
-            f32x16 dot[MAX_VECTORS];
-            for (int64_t g = 0; g < vectors; g++) dot[g] = (f32x16){0};
-            for (int64_t d = 0; d < dim; d++) {
-                f32x16 column = LOAD16(keys + d * block_size + sub);
-                for (int64_t g = 0; g < vectors; g++) dot[g] += query[d * MAX_VECTORS + g] * column;
+            f32x16 dot[2][MAX_VECTORS];
+            for (int64_t h = 0; h < split; h++)
+                for (int64_t g = 0; g < vectors; g++) dot[h][g] = (f32x16){0};
+            for (int64_t d = 0; d < dim; d += split)
+                for (int64_t h = 0; h < split; h++) {
+                    if (far_keys && sub == 0 && d + h < lines) {
+                        __builtin_prefetch(far_keys + 64 * (d + h), 0, PF_LEVEL);
+                        __builtin_prefetch(far_values + 64 * (d + h), 0, PF_LEVEL);
+                    }
+                    f32x16 column = LOAD16(keys + (d + h) * block_size + sub);
+                    for (int64_t g = 0; g < vectors; g++) dot[h][g] += query[(d + h) * MAX_VECTORS + g] * column;
+                }
+            for (int64_t line = dim; far_keys && sub == 0 && line < lines; line++) {
+                __builtin_prefetch(far_keys + 64 * line);
+                __builtin_prefetch(far_values + 64 * line);
             }
-            for (int64_t g = 0; g < vectors; g++) memcpy(scores + g * padded + j * block_size + sub, &dot[g], sizeof(f32x16));
+            for (int64_t g = 0; g < vectors; g++) {
+                f32x16 sum = split == 2 ? dot[0][g] + dot[1][g] : dot[0][g];
+                memcpy(scores + g * padded + j * block_size + sub, &sum, sizeof(f32x16));
+            }
         }
     }
     normalise(scores, padded, counts, len, vectors);
-    for (int64_t c = 0; c < dim; c += 16) {
-        f32x16 acc[MAX_VECTORS];
-        for (int64_t g = 0; g < vectors; g++) acc[g] = (f32x16){0};
+    for (int64_t c = 0; c < dim; c += 16 * chunks) {
+        f32x16 acc[MAX_VECTORS][4];
+        for (int64_t g = 0; g < vectors; g++)
+            for (int64_t k = 0; k < chunks; k++) acc[g][k] = (f32x16){0};
         for (int64_t j = 0; j < blocks; j++) {
             const T *values = v_cache + ((int64_t)table[j] * job->kv_heads + kh) * block_elems + c;
+            const float *weights = scores + j * block_size;
             int64_t count = len - j * block_size < block_size ? len - j * block_size : block_size;
             for (int64_t i = 0; i < count; i++) {
-                f32x16 value = LOAD16(values + i * dim);
-                for (int64_t g = 0; g < vectors; g++) acc[g] += scores[g * padded + j * block_size + i] * value;
+                f32x16 value[4];
+                for (int64_t k = 0; k < chunks; k++) value[k] = LOAD16(values + i * dim + 16 * k);
+                for (int64_t g = 0; g < vectors; g++) {
+                    float weight = weights[g * padded + i];
+                    for (int64_t k = 0; k < chunks; k++) acc[g][k] += weight * value[k];
+                }
             }
         }
         for (int64_t g = 0; g < vectors; g++) {
             T *o = out + (g / group) * job->heads * dim + (kh * group + g % group) * dim + c;
-            for (int64_t l = 0; l < 16; l++) o[l] = STORE(acc[g][l]);
+            for (int64_t k = 0; k < chunks; k++)
+                for (int64_t l = 0; l < 16; l++) o[16 * k + l] = STORE(acc[g][k][l]);
         }
     }
+}
+
+/* Context tokens the unit's last query row sees: the most any of its vectors reads. */
+static inline int64_t NAME(unit_length)(const struct attention_job *job, const struct attention_unit *unit) {
+    return job->lengths[unit->sequence] - (job->query_start[unit->sequence + 1] - unit->row - unit->rows);
 }
 
 /* Units [first, last) of the job, with this thread's own scratch. */
@@ -75,6 +104,22 @@ static void NAME(attend_units)(const struct attention_job *job, int64_t first, i
     int64_t group = job->heads / job->kv_heads, dim = job->dim;
     float *scores = malloc(sizeof(float) * MAX_VECTORS * (job->table_width * job->block_size + dim));
     float *query = scores + MAX_VECTORS * job->table_width * job->block_size;
+    /* Every block this thread will read, in the order it reads them, for the prefetches. */
+    int64_t block_elems = dim * job->block_size, total = 0;
+    for (int64_t u = first; u < last; u++)
+        total += (NAME(unit_length)(job, &job->units[u]) + job->block_size - 1) / job->block_size;
+    struct prefetch_cursor ahead = {malloc(sizeof(char *) * 2 * (total ? total : 1)), NULL, total, 0};
+    ahead.values = ahead.keys + total;
+    for (int64_t u = first, b = 0; u < last; u++) {
+        const struct attention_unit *unit = &job->units[u];
+        const int32_t *table = job->block_table + unit->sequence * job->table_width;
+        int64_t blocks = (NAME(unit_length)(job, unit) + job->block_size - 1) / job->block_size;
+        for (int64_t j = 0; j < blocks; j++, b++) {
+            int64_t offset = ((int64_t)table[j] * job->kv_heads + unit->kv_head) * block_elems;
+            ahead.keys[b] = (const char *)((const T *)job->k_cache + offset);
+            ahead.values[b] = (const char *)((const T *)job->v_cache + offset);
+        }
+    }
     for (int64_t u = first; u < last; u++) {
         const struct attention_unit *unit = &job->units[u];
         int64_t s = unit->sequence, rows = unit->rows, vectors = rows * group;
@@ -86,13 +131,19 @@ static void NAME(attend_units)(const struct attention_job *job, int64_t first, i
         const T *q = (const T *)job->q + unit->row * job->q_stride;
         T *out = (T *)job->out + unit->row * job->heads * dim;
         /* Constant tile and head sizes keep the accumulators in registers. */
-#define ATTEND(V) case V: NAME(attend_tile)(job, table, counts, len, q, out, unit->kv_head, V, scores, query); break;
+        /* Output chunks of 16 dimensions built at once: up to 4, at most 24 accumulators. */
+#define TILE(V, C) NAME(attend_tile)(job, table, counts, len, q, out, unit->kv_head, V, C, scores, query, &ahead)
+#define ATTEND(V) case V: \
+            if (V <= 6 && dim % 64 == 0) TILE(V, 4); else if (V <= 12 && dim % 32 == 0) TILE(V, 2); else TILE(V, 1); \
+            break;
         switch (vectors) {
             ATTEND(1) ATTEND(2) ATTEND(3) ATTEND(4) ATTEND(5) ATTEND(6) ATTEND(7) ATTEND(8)
             ATTEND(9) ATTEND(10) ATTEND(11) ATTEND(12) ATTEND(13) ATTEND(14) ATTEND(15) ATTEND(16)
         }
 #undef ATTEND
+#undef TILE
     }
+    free(ahead.keys);
     free(scores);
 }
 
