@@ -73,12 +73,27 @@ def test_rope_store_rotates_in_place_and_fills_the_cache(dtype, tokens):
 
 
 def kernel_layout(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[blocks, block_size, kv_heads, dim] caches in the kernels' layout."""
-    return keys.permute(0, 2, 3, 1).contiguous(), values.permute(0, 2, 1, 3).contiguous()
+    """[blocks, block_size, kv_heads, dim] caches in the kernels' layout (rope_store's):
+    float32 keys [blocks, kv_heads, dim, block_size] and values [blocks, kv_heads, block_size,
+    dim]; bfloat16 the same shapes holding pairs, keys [dim / 2][block_size][2] and values
+    [block_size / 2][dim][2] per block and head."""
+    blocks, block, heads, dim = keys.shape
+    if keys.dtype != torch.bfloat16:
+        return keys.permute(0, 2, 3, 1).contiguous(), values.permute(0, 2, 1, 3).contiguous()
+    paired_keys = keys.view(blocks, block, heads, dim // 2, 2).permute(0, 2, 3, 1, 4)
+    paired_values = values.view(blocks, block // 2, 2, heads, dim).permute(0, 3, 1, 4, 2)
+    return (paired_keys.contiguous().view(blocks, heads, dim, block),
+            paired_values.contiguous().view(blocks, heads, block, dim))
 
 
 def standard_layout(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return keys.permute(0, 3, 1, 2).contiguous(), values.permute(0, 2, 1, 3).contiguous()
+    """The inverse of ``kernel_layout``."""
+    blocks, heads, dim, block = keys.shape
+    if keys.dtype != torch.bfloat16:
+        return keys.permute(0, 3, 1, 2).contiguous(), values.permute(0, 2, 1, 3).contiguous()
+    keys = keys.view(blocks, heads, dim // 2, block, 2).permute(0, 3, 1, 2, 4)
+    values = values.view(blocks, heads, block // 2, dim, 2).permute(0, 2, 4, 1, 3)
+    return keys.contiguous().view(blocks, block, heads, dim), values.contiguous().view(blocks, block, heads, dim)
 
 
 def mixed_step(heads: int, kv_heads: int, dim: int, block: int):
@@ -210,8 +225,14 @@ def test_bf16_matmul_matches_float32_up_to_the_outputs_rounding(threads):
                 want = x.float() @ weight.float().T + (0 if b is None else b.float())
                 got = K.bf16_matmul(x, packed, b, 80)
                 assert got.dtype == torch.bfloat16 and got.shape == (rows, 80)
-                bound = want.abs() * 2**-8 + 1e-4 * (x.float().abs() @ weight.float().abs().T)
+                summation = 1e-4 * (x.float().abs() @ weight.float().abs().T)
+                bound = want.abs() * 2**-8 + summation
                 assert ((got.float() - want).abs() <= bound).all(), f"{rows} rows, bias {b is not None}"
+                # the logits' form: the same sums in float32, not rounded
+                unrounded = K.bf16_matmul(x, packed, b, 80, torch.float32)
+                assert unrounded.dtype == torch.float32 and unrounded.shape == (rows, 80)
+                assert ((unrounded - want).abs() <= summation).all(), f"float32 out, {rows} rows"
+                assert torch.equal(unrounded.bfloat16(), got)
     finally:
         torch.set_num_threads(before)
 

@@ -70,7 +70,8 @@ class PagedAttention(nn.Module):
     def cache_shapes(self, num_blocks: int, block_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Key and value cache shapes: [blocks, block_size, kv_heads, dim] each for torch; for
         the kernels keys [blocks, kv_heads, dim, block_size] and values [blocks, kv_heads,
-        block_size, dim] (see rope_store in csrc/kernels_body.h)."""
+        block_size, dim], in bfloat16 holding pairs side by side (see rope_store in
+        csrc/kernels_body.h)."""
         heads, dim = self.num_kv_heads, self.head_dim
         if self.kernels is None:
             return (num_blocks, block_size, heads, dim), (num_blocks, block_size, heads, dim)

@@ -48,7 +48,7 @@ SIGNATURES = {
 }
 INT8_TILE = 4  # int8.c's NTILE: output sizes the int8 kernel takes are multiples of this
 BF16_PANEL = 16  # bf16.c's PANEL: output sizes the bfloat16 matmul takes are multiples of this
-BF16_ONLY = {"bf16_pack": [_P, _P, _I, _I, _I], "bf16_matmul": [_P, _I, _P, _P, _P, _I, _I, _I, _I]}
+BF16_ONLY = {"bf16_pack": [_P, _P, _I, _I, _I], "bf16_matmul": [_P, _I, _P, _P, _P, _I, _I, _I, _I, _I]}
 
 
 class CPUKernels:
@@ -141,13 +141,17 @@ class CPUKernels:
                                                weight.shape[1], torch.get_num_threads())
         return packed
 
-    def bf16_matmul(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    def bf16_matmul(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int,
+                    out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """x [m, k] bfloat16 (rows may be strided, elements contiguous) @ w^T + bias → [m, n], w [n, k]
-        packed by ``bf16_pack``. Only where ``bf16_matmul_supported``."""
-        out = torch.empty((x.shape[0], n), dtype=torch.bfloat16)
+        packed by ``bf16_pack``; in bfloat16, or with ``out_dtype`` float32 the sums unrounded. Only
+        where ``bf16_matmul_supported``."""
+        if out_dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"bf16_matmul: out_dtype must be bfloat16 or float32, not {out_dtype}")
+        out = torch.empty((x.shape[0], n), dtype=out_dtype)
         self._fns["bf16_matmul", torch.bfloat16](
             x.data_ptr(), x.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
-            x.shape[0], n, x.shape[1], torch.get_num_threads(),
+            int(out_dtype == torch.float32), x.shape[0], n, x.shape[1], torch.get_num_threads(),
         )
         return out
 

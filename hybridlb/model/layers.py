@@ -180,12 +180,14 @@ class PackedLinear(nn.Module):
     def runs_on_bf16_kernel(weight: torch.Tensor, kernels: CPUKernels | None) -> bool:
         return kernels is not None and kernels.bf16_matmul_supported and bf16_fits(weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``out_dtype`` float32: bf16.c's sums unrounded (the logits); oneDNN's are rounded first."""
         if self.kernels is not None:  # 2-D input with contiguous rows as it is (rows may be strided)
             flat = x if x.dim() == 2 and x.stride(-1) == 1 else x.reshape(-1, self.in_features).contiguous()
-            out = self.kernels.bf16_matmul(flat, self.packed, self.bias, self.out_features)
+            out = self.kernels.bf16_matmul(flat, self.packed, self.bias, self.out_features, out_dtype or x.dtype)
             return out.view(*x.shape[:-1], self.out_features)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return out if out_dtype is None else out.to(out_dtype)
 
 
 class ExpertDispatch(Protocol):

@@ -107,6 +107,10 @@ class CausalLM(nn.Module):
         return self.norm(x, residual)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits. On bf16.c they are its float32 sums: rounded to bfloat16 first (a step
+        of 0.125 at SmolLM2's logit sizes) the top tokens of a prompt often tie."""
+        if isinstance(self.lm_head, PackedLinear):
+            return self.lm_head(hidden, torch.float32)
         return self.lm_head(hidden).float()
 
     def attention_layers(self) -> list[PagedAttention]:

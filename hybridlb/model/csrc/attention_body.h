@@ -1,98 +1,7 @@
-/* Paged attention for one dtype: T, LOAD, STORE, LOAD16, SUFFIX. Included by attention.c. */
+/* Paged attention for one dtype: T and SUFFIX, with NAME(attend_tile) already defined (attention.c
+ * includes attention_f32.h or attention_bf16.h first). Included by attention.c. */
 
 #define NAME(name) CAT(name, SUFFIX)
-
-/* The tile's query vectors, scaled, into query[d * MAX_VECTORS + g]: dimension-major, so the
- * score loop finds a dimension's queries side by side (one base register, no spills). */
-static void NAME(load_queries)(const struct attention_job *job, const T *q, int64_t kh, int64_t vectors,
-                               float *query) {
-    int64_t group = job->heads / job->kv_heads, dim = job->dim;
-    for (int64_t g = 0; g < vectors; g++) {
-        const T *row = q + (g / group) * job->q_stride + (kh * group + g % group) * dim;
-        for (int64_t d = 0; d < dim; d++) query[d * MAX_VECTORS + g] = LOAD(row[d]) * job->scale;
-    }
-}
-
-/* Attention of one tile: `vectors` query vectors that share kv head `kh` of one sequence
- * (`group` heads of each of vectors / group consecutive query rows), vector v seeing the
- * first counts[v] cached tokens (the causal limit of its row); `len` is the largest count.
- * Scores of 16 tokens come from `dim` vector FMAs against the transposed key block (no
- * horizontal sums), in two chains (even and odd dimensions) so that a small tile's few
- * accumulators do not wait on each other's latency. The output is then built `chunks` x 16
- * dimensions at a time, token by token: each value row is loaded once for all the tile's
- * query vectors and every accumulator is its own chain. Inlined per tile size and chunk
- * count so that the accumulators stay in registers. `scores` holds vectors * table_width *
- * block_size floats, `query` dim * MAX_VECTORS. */
-static inline __attribute__((always_inline)) void NAME(attend_tile)(
-        const struct attention_job *job, const int32_t *table, const int64_t *counts, int64_t len,
-        const T *q, T *out, int64_t kh, const int64_t vectors, const int64_t chunks, float *scores,
-        float *query, struct prefetch_cursor *ahead) {
-    const T *k_cache = job->k_cache, *v_cache = job->v_cache;
-    int64_t group = job->heads / job->kv_heads, dim = job->dim, block_size = job->block_size;
-    int64_t blocks = (len + block_size - 1) / block_size, padded = blocks * block_size;
-    NAME(load_queries)(job, q, kh, vectors, query);
-    int64_t block_elems = dim * block_size, lines = block_elems * (int64_t)sizeof(T) / 64;
-    const int64_t split = vectors <= 8 ? 2 : 1; /* chains per query vector */
-    for (int64_t j = 0; j < blocks; j++) {
-        const T *keys = k_cache + ((int64_t)table[j] * job->kv_heads + kh) * block_elems;
-        /* Blocks sit anywhere in the cache, so the hardware prefetcher cannot guess the next
-         * ones: the keys and values of the block PREFETCH_BLOCKS ahead in this thread's work
-         * (the next tile's first blocks at a tile's end) are requested while this one is
-         * computed, a line or two per dimension so that the requests never queue up. */
-        const char *far_keys = NULL, *far_values = NULL;
-        if (ahead->next + PREFETCH_BLOCKS < ahead->count) {
-            far_keys = ahead->keys[ahead->next + PREFETCH_BLOCKS];
-            far_values = ahead->values[ahead->next + PREFETCH_BLOCKS];
-        }
-        ahead->next++;
-        for (int64_t sub = 0; sub < block_size && j * block_size + sub < len; sub += 16) {
-            f32x16 dot[2][MAX_VECTORS];
-            for (int64_t h = 0; h < split; h++)
-                for (int64_t g = 0; g < vectors; g++) dot[h][g] = (f32x16){0};
-            for (int64_t d = 0; d < dim; d += split)
-                for (int64_t h = 0; h < split; h++) {
-                    if (far_keys && sub == 0 && d + h < lines) {
-                        __builtin_prefetch(far_keys + 64 * (d + h), 0, PF_LEVEL);
-                        __builtin_prefetch(far_values + 64 * (d + h), 0, PF_LEVEL);
-                    }
-                    f32x16 column = LOAD16(keys + (d + h) * block_size + sub);
-                    for (int64_t g = 0; g < vectors; g++) dot[h][g] += query[(d + h) * MAX_VECTORS + g] * column;
-                }
-            for (int64_t line = dim; far_keys && sub == 0 && line < lines; line++) {
-                __builtin_prefetch(far_keys + 64 * line);
-                __builtin_prefetch(far_values + 64 * line);
-            }
-            for (int64_t g = 0; g < vectors; g++) {
-                f32x16 sum = split == 2 ? dot[0][g] + dot[1][g] : dot[0][g];
-                memcpy(scores + g * padded + j * block_size + sub, &sum, sizeof(f32x16));
-            }
-        }
-    }
-    normalise(scores, padded, counts, len, vectors);
-    for (int64_t c = 0; c < dim; c += 16 * chunks) {
-        f32x16 acc[MAX_VECTORS][4];
-        for (int64_t g = 0; g < vectors; g++)
-            for (int64_t k = 0; k < chunks; k++) acc[g][k] = (f32x16){0};
-        for (int64_t j = 0; j < blocks; j++) {
-            const T *values = v_cache + ((int64_t)table[j] * job->kv_heads + kh) * block_elems + c;
-            const float *weights = scores + j * block_size;
-            int64_t count = len - j * block_size < block_size ? len - j * block_size : block_size;
-            for (int64_t i = 0; i < count; i++) {
-                f32x16 value[4];
-                for (int64_t k = 0; k < chunks; k++) value[k] = LOAD16(values + i * dim + 16 * k);
-                for (int64_t g = 0; g < vectors; g++) {
-                    float weight = weights[g * padded + i];
-                    for (int64_t k = 0; k < chunks; k++) acc[g][k] += weight * value[k];
-                }
-            }
-        }
-        for (int64_t g = 0; g < vectors; g++) {
-            T *o = out + (g / group) * job->heads * dim + (kh * group + g % group) * dim + c;
-            for (int64_t k = 0; k < chunks; k++)
-                for (int64_t l = 0; l < 16; l++) o[16 * k + l] = STORE(acc[g][k][l]);
-        }
-    }
-}
 
 /* Context tokens the unit's last query row sees: the most any of its vectors reads. */
 static inline int64_t NAME(unit_length)(const struct attention_job *job, const struct attention_unit *unit) {
@@ -102,8 +11,12 @@ static inline int64_t NAME(unit_length)(const struct attention_job *job, const s
 /* Units [first, last) of the job, with this thread's own scratch. */
 static void NAME(attend_units)(const struct attention_job *job, int64_t first, int64_t last) {
     int64_t group = job->heads / job->kv_heads, dim = job->dim;
-    float *scores = malloc(sizeof(float) * MAX_VECTORS * (job->table_width * job->block_size + dim));
-    float *query = scores + MAX_VECTORS * job->table_width * job->block_size;
+    /* Scores (float), the query (dim floats or dim / 2 pairs per vector) and, for bfloat16,
+     * the probabilities as pairs: MAX_VECTORS x (context + dim + context / 2) words. */
+    int64_t context = job->table_width * job->block_size;
+    float *scores = malloc(sizeof(float) * MAX_VECTORS * (context + dim + context / 2));
+    void *query = scores + MAX_VECTORS * context;
+    uint32_t *pairs = (uint32_t *)query + MAX_VECTORS * dim;
     /* Every block this thread will read, in the order it reads them, for the prefetches. */
     int64_t block_elems = dim * job->block_size, total = 0;
     for (int64_t u = first; u < last; u++)
@@ -132,7 +45,7 @@ static void NAME(attend_units)(const struct attention_job *job, int64_t first, i
         T *out = (T *)job->out + unit->row * job->heads * dim;
         /* Constant tile and head sizes keep the accumulators in registers. */
         /* Output chunks of 16 dimensions built at once: up to 4, at most 24 accumulators. */
-#define TILE(V, C) NAME(attend_tile)(job, table, counts, len, q, out, unit->kv_head, V, C, scores, query, &ahead)
+#define TILE(V, C) NAME(attend_tile)(job, table, counts, len, q, out, unit->kv_head, V, C, scores, query, pairs, &ahead)
 #define ATTEND(V) case V: \
             if (V <= 6 && dim % 64 == 0) TILE(V, 4); else if (V <= 12 && dim % 32 == 0) TILE(V, 2); else TILE(V, 1); \
             break;

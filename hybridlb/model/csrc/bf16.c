@@ -60,8 +60,8 @@ void bf16_pack(const uint16_t *w, uint16_t *packed, int64_t n, int64_t k, int64_
  * R x C sums stay in registers. */
 static inline __attribute__((always_inline)) void bf16_block(const uint16_t *x, int64_t x_stride,
                                                              const uint16_t *packed, const uint16_t *bias,
-                                                             uint16_t *out, int64_t n, int64_t k, int64_t first,
-                                                             const int R, const int C) {
+                                                             void *out, int64_t out_float, int64_t n, int64_t k,
+                                                             int64_t first, const int R, const int C) {
     int64_t pairs = k / 2;
     __m512 sums[ROWS][PANELS];
     for (int r = 0; r < R; r++)
@@ -90,12 +90,16 @@ static inline __attribute__((always_inline)) void bf16_block(const uint16_t *x, 
         }
         for (int r = 0; r < R; r++) {
             __m512 value = bias ? _mm512_add_ps(sums[r][c], add) : sums[r][c];
-            _mm256_storeu_si256((void *)(out + r * n + (first + c) * PANEL), (__m256i)_mm512_cvtneps_pbh(value));
+            int64_t at = r * n + (first + c) * PANEL;
+            if (out_float)
+                _mm512_storeu_ps((float *)out + at, value);
+            else
+                _mm256_storeu_si256((void *)((uint16_t *)out + at), (__m256i)_mm512_cvtneps_pbh(value));
         }
     }
 }
 
-#define BLOCK(R, C) bf16_block(xr, x_stride, packed, bias, o, n, k, first, R, C)
+#define BLOCK(R, C) bf16_block(xr, x_stride, packed, bias, o, out_float, n, k, first, R, C)
 #define BY_ROWS(C) switch (rows) { \
     case 1: BLOCK(1, C); break; case 2: BLOCK(2, C); break; case 3: BLOCK(3, C); break; \
     case 4: BLOCK(4, C); break; case 5: BLOCK(5, C); break; default: BLOCK(6, C); break; }
@@ -103,14 +107,14 @@ static inline __attribute__((always_inline)) void bf16_block(const uint16_t *x, 
 /* Panels [begin, end) for all m rows, in groups of up to PANELS panels and ROWS rows (the rows
  * split into equal groups, so 8 rows go as 4 + 4, not 6 + 2). */
 static void bf16_panels(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *bias,
-                        uint16_t *out, int64_t m, int64_t n, int64_t k, int64_t begin, int64_t end) {
+                        void *out, int64_t out_float, int64_t m, int64_t n, int64_t k, int64_t begin, int64_t end) {
     int64_t groups = (m + ROWS - 1) / ROWS, step = (m + groups - 1) / groups;
     for (int64_t first = begin; first < end; first += PANELS) {
         int64_t count = end - first < PANELS ? end - first : PANELS;
         for (int64_t r0 = 0; r0 < m; r0 += step) {
             int64_t rows = m - r0 < step ? m - r0 : step;
             const uint16_t *xr = x + r0 * x_stride;
-            uint16_t *o = out + r0 * n;
+            void *o = out_float ? (void *)((float *)out + r0 * n) : (void *)((uint16_t *)out + r0 * n);
             switch (count) {
             case 1: BY_ROWS(1) break;
             case 2: BY_ROWS(2) break;
@@ -125,23 +129,25 @@ static void bf16_panels(const uint16_t *x, int64_t x_stride, const uint16_t *pac
 #endif
 
 /* out [m, n] contiguous = x [m, k] (rows x_stride apart) @ w^T + bias (bias may be NULL), w packed
- * by bf16_pack; m may be 0. Does nothing where bf16_matmul_supported() is 0. */
-void bf16_matmul(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *bias, uint16_t *out,
-                 int64_t m, int64_t n, int64_t k, int64_t threads) {
+ * by bf16_pack; out bfloat16, or with out_float the float32 sums unrounded (the logits: rounded to
+ * bfloat16 the top tokens often tie). m may be 0. Does nothing where bf16_matmul_supported() is 0. */
+void bf16_matmul(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *bias, void *out,
+                 int64_t out_float, int64_t m, int64_t n, int64_t k, int64_t threads) {
 #ifdef BF16_DOT
     int64_t panels = n / PANEL;
     if (m <= 0) return; /* an expert-parallel dummy step has no rows */
     if (threads > panels) threads = panels;
     if (threads <= 1 || m * n * k < 64 * PARALLEL_MIN_ELEMENTS) {
-        bf16_panels(x, x_stride, packed, bias, out, m, n, k, 0, panels);
+        bf16_panels(x, x_stride, packed, bias, out, out_float, m, n, k, 0, panels);
         return;
     }
 #pragma omp parallel num_threads(threads)
     {
         int64_t t = omp_get_thread_num(), parts = omp_get_num_threads();
-        bf16_panels(x, x_stride, packed, bias, out, m, n, k, panels * t / parts, panels * (t + 1) / parts);
+        bf16_panels(x, x_stride, packed, bias, out, out_float, m, n, k, panels * t / parts, panels * (t + 1) / parts);
     }
 #else
-    (void)x, (void)x_stride, (void)packed, (void)bias, (void)out, (void)m, (void)n, (void)k, (void)threads;
+    (void)x, (void)x_stride, (void)packed, (void)bias, (void)out, (void)out_float, (void)m, (void)n, (void)k,
+        (void)threads;
 #endif
 }

@@ -17,16 +17,22 @@
 #define LOAD(x) (x)
 #define STORE(x) (x)
 #define ROUND(x) (x)
+#define KEY_AT(d, t, dim, block_size) ((d) * (block_size) + (t))
+#define VALUE_AT(t, d, dim, block_size) ((t) * (dim) + (d))
 #include "kernels_body.h"
 #undef T
 #undef SUFFIX
 #undef LOAD
 #undef STORE
 #undef ROUND
+#undef KEY_AT
+#undef VALUE_AT
 
 #define T uint16_t
 #define SUFFIX bf16
 #define LOAD(x) bf16_to_float(x)
 #define STORE(x) float_to_bf16(x)
 #define ROUND(x) bf16_to_float(float_to_bf16(x))
+#define KEY_AT(d, t, dim, block_size) ((((d) / 2) * (block_size) + (t)) * 2 + (d) % 2)
+#define VALUE_AT(t, d, dim, block_size) ((((t) / 2) * (dim) + (d)) * 2 + (t) % 2)
 #include "kernels_body.h"

@@ -38,9 +38,11 @@ void NAME(rms_norm)(const T *x, int64_t stride, T *residual, const T *weight, T 
 
 /* Rotate-half RoPE applied in place to q [n, heads, dim] and k [n, kv_heads, dim]
  * (rows `q_stride` / `k_stride` elements apart), then k and v stored at slots[i] of
- * the paged caches, in the kernels' layout: keys [blocks, kv_heads, dim, block_size]
- * (each head's block transposed, so 16 tokens' values of one dimension are one vector)
- * and values [blocks, kv_heads, block_size, dim]. cos/sin: float tables [positions, dim]. */
+ * the paged caches, [blocks, kv_heads, dim * block_size] each, in the attention's layout
+ * (KEY_AT, VALUE_AT): float32 keys [dim][block_size] (each head's block transposed, so 16
+ * tokens of one dimension are one vector) and values [block_size][dim]; bfloat16 keys
+ * [dim / 2][block_size][2] and values [block_size / 2][dim][2] (pairs side by side for
+ * vdpbf16ps, see attention_bf16.h). cos/sin: float tables [positions, dim]. */
 void NAME(rope_store)(T *q, int64_t q_stride, T *k, int64_t k_stride, const T *v, int64_t v_stride,
                       const int64_t *positions, const float *cos_table, const float *sin_table,
                       const int64_t *slots, T *k_cache, T *v_cache, int64_t n, int64_t heads,
@@ -67,11 +69,13 @@ void NAME(rope_store)(T *q, int64_t q_stride, T *k, int64_t k_stride, const T *v
         }
         int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
         for (int64_t h = 0; h < kv_heads; h++) {
-            const T *key = k + t * k_stride + h * dim;
-            T *keys = k_cache + (block * kv_heads + h) * dim * block_size + offset;
-            for (int64_t d = 0; d < dim; d++) keys[d * block_size] = key[d];
-            memcpy(v_cache + ((block * kv_heads + h) * block_size + offset) * dim, v + t * v_stride + h * dim,
-                   sizeof(T) * dim);
+            const T *key = k + t * k_stride + h * dim, *value = v + t * v_stride + h * dim;
+            T *keys = k_cache + (block * kv_heads + h) * dim * block_size;
+            T *values = v_cache + (block * kv_heads + h) * dim * block_size;
+            for (int64_t d = 0; d < dim; d++) {
+                keys[KEY_AT(d, offset, dim, block_size)] = key[d];
+                values[VALUE_AT(offset, d, dim, block_size)] = value[d];
+            }
         }
     }
     free(c);
