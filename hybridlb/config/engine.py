@@ -17,6 +17,11 @@ MODEL_ALIASES = {
                               "SmolLM2-135M-Instruct"),
 }
 
+# max_num_batched_tokens by device. On CPU a step of 2,048 prompt tokens takes ~1 s (SmolLM2,
+# bfloat16 at the matmul peak), so a burst of prompts waits long for its first tokens; 1024
+# halves that wait for ~8 % more time per output token (benchmarks/REPORT.md, vs vLLM).
+DEFAULT_STEP_BUDGET = {"cpu": 1024, "cuda": 8192}
+
 
 def model_own_name(model: str) -> str | None:
     """The model's own name when ``model`` is an alias or what one stands for, else None."""
@@ -231,7 +236,10 @@ class EngineConfig(_Section):
     )
     max_num_seqs: int = Field(64, ge=1, description="Most requests in one batch (running queue size).")
     max_num_batched_tokens: int = Field(
-        2048, ge=16, description="Token budget of one step; longer prompts are prefilled in chunks."
+        None, ge=16, description="Token budget of one step; longer prompts are prefilled "
+        "in chunks. Smaller: first tokens sooner when prompts arrive together, each running request's tokens a "
+        "little slower while they prefill. Default: 1024 on CPU (there a 2,048-token step of prefill takes ~1 s), "
+        "8192 on CUDA."
     )
     max_failed_steps: int = Field(
         3, ge=0, description="Steps in a row that may raise before the engine counts as sick and exits (its "
@@ -291,6 +299,13 @@ class EngineConfig(_Section):
         "control-plane benchmarks only. engine.model still provides the tokenizer and config.json. "
         "Default: none, the real model.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_step_budget(cls, data):
+        if isinstance(data, dict) and data.get("max_num_batched_tokens") is None:
+            data = {**data, "max_num_batched_tokens": DEFAULT_STEP_BUDGET.get(data.get("device", "cpu"), 2048)}
+        return data
 
     @model_validator(mode="after")
     def _check_kv_events(self) -> EngineConfig:
