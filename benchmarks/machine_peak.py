@@ -7,7 +7,8 @@
   through oneDNN with the weight reordered once (``_reorder_linear_weight``) and through the
   engine's own kernel (``csrc/bf16.c``, AVX-512 BF16; the path the engine's linear layers take
   where the CPU has it, ``hybridlb/model/layers.py``, else oneDNN's), and with int8 weights through
-  ``csrc/int8.c`` (``--quantization int8``'s path; half the bytes). GFLOP/s =
+  ``csrc/int8.c`` (``--quantization int8``'s path; half the bytes) and 4-bit weights through
+  ``csrc/int4.c`` (``int4`` / ``gguf``'s; 5 bits a weight with scales). GFLOP/s =
   2·M·N·K / time; at batch 1 the weights' bytes over the time is the bandwidth a decode
   step can stream them at (the LM head's, one large weight, is the best case).
 * **Weight streaming at batch 1**: every projection of the model's 30 layers plus the LM
@@ -39,7 +40,7 @@ import torch
 from common import stamp
 
 from hybridlb.model import kernels
-from hybridlb.model.quantized import Int8Linear
+from hybridlb.model.quantized import Int4Linear, Int8Linear
 
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, VOCAB, LAYERS = 576, 1536, 9, 3, 64, 49152, 30
 PROJECTIONS = {  # name: (out features N, in features K) of one layer's weights
@@ -54,6 +55,8 @@ BATCHES = (1, 16, 32, 64)
 PACKED = "oneDNN packed"  # the engine's path for bfloat16 on a CPU without AVX-512 BF16
 KERNEL = "hybridlb bf16.c"  # the engine's path where the CPU has it
 INT8 = "hybridlb int8.c"  # --quantization int8: int8 weights (1 byte each), bfloat16 activations
+INT4 = "hybridlb int4.c"  # --quantization int4 / gguf: 4-bit codes + float16 scale and low per 32 (5 bits each)
+BYTES_PER_WEIGHT = {INT8: 1.0, INT4: 0.625}
 
 
 def timed(fn, repeats: int) -> float:
@@ -77,6 +80,9 @@ def linear_fn(weight: torch.Tensor, path: str):
     if path == INT8:
         layer = Int8Linear.from_weight(weight, None, weight.dtype)
         return layer.forward
+    if path == INT4:
+        layer = Int4Linear.from_weight(weight, None, weight.dtype)
+        return layer.forward
     if path != PACKED:
         return lambda x: torch.nn.functional.linear(x, weight)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
@@ -94,6 +100,7 @@ def paths(dtype: torch.dtype) -> list[str]:
         return ["torch linear"]
     cpu = kernels.load()
     ours = ([KERNEL] if cpu is not None and cpu.bf16_matmul_supported else []) + ([INT8] if cpu is not None else [])
+    ours += [INT4] if cpu is not None and cpu.int4_matmul_supported else []
     return ["torch linear", PACKED, *ours]
 
 
@@ -120,7 +127,7 @@ def model_pass(dtype: torch.dtype, repeats: int, path: str, batch: int) -> dict:
 
     seconds = timed(step, max(3, repeats // 4))
     weights = LAYERS * sum(n * k for n, k in PROJECTIONS.values()) + VOCAB * HIDDEN
-    size = 1 if path == INT8 else x.element_size()  # bytes per weight
+    size = BYTES_PER_WEIGHT.get(path, x.element_size())
     return {"path": path, "batch": batch, "weight_mb": weights * size / 1e6, "step_ms": seconds * 1e3,
             "gb_s": weights * size / seconds / 1e9, "gflop_s": 2 * batch * weights / seconds / 1e9,
             "tokens_per_s_bound": batch / seconds}
@@ -158,7 +165,7 @@ def main() -> None:
             for batch in BATCHES:
                 for name, (n, k) in GEMM_SHAPES.items():
                     gflop_s = gemm_gflops(batch, n, k, dtype, args.repeats, path)
-                    size = 1 if path == INT8 else dtype.itemsize
+                    size = BYTES_PER_WEIGHT.get(path, dtype.itemsize)
                     weight_gb_s = gflop_s / (2 * batch) * size  # the weights read, per second
                     gemm.append({"dtype": dtype_name, "path": path, "batch": batch, "projection": name, "m": batch,
                                  "n": n, "k": k, "gflop_s": gflop_s, "weight_gb_s": weight_gb_s})
@@ -169,7 +176,7 @@ def main() -> None:
               for name, dtype in DTYPES.items() for path in paths(dtype) for batch in BATCHES]
     streaming = [p for p in passes if p["batch"] == 1]
     peaks = {name: {str(b): max(p["gflop_s"] for p in passes
-                                if p["dtype"] == name and p["batch"] == b and p["path"] != INT8)
+                                if p["dtype"] == name and p["batch"] == b and p["path"] not in BYTES_PER_WEIGHT)
                     for b in BATCHES} for name in DTYPES}
     copy, read = copy_gb_s(args.repeats), read_gb_s(args.repeats)
 

@@ -10,9 +10,10 @@ def machine_peak(page: Page, data: dict) -> str:
     passes = data["model_passes"]
     page.text("A model pass: every projection of SmolLM2-135M's 30 layers plus the LM head, fresh weights each "
               "(nothing stays in cache between layers), at the batch of a decode step. The fastest path's GFLOP/s "
-              "at a batch is the **decode peak** a step's matmuls can reach (int8.c, which reads half the bytes, "
-              "left out). The engine's bfloat16 layers run `hybridlb bf16.c` where the CPU has AVX-512 BF16, "
-              "else oneDNN packed; `--quantization int8` runs `hybridlb int8.c` up to 32 rows.")
+              "at a batch is the **decode peak** a step's matmuls can reach (int8.c and int4.c, which read fewer "
+              "bytes, left out). The engine's bfloat16 layers run `hybridlb bf16.c` where the CPU has AVX-512 "
+              "BF16, else oneDNN packed; `--quantization int8` runs `hybridlb int8.c` (AVX-512 VNNI), `int4` "
+              "and `gguf` run `hybridlb int4.c` in bfloat16 engines (AVX-512 BF16).")
     page.table(["dtype", "path", "batch", "pass ms", "GFLOP/s", "weights GB/s", "tok/s bound"],
                [[p["dtype"], p["path"], p["batch"], p["step_ms"], p["gflop_s"], p["gb_s"], p["tokens_per_s_bound"]]
                 for p in passes])
@@ -32,7 +33,7 @@ def machine_peak(page: Page, data: dict) -> str:
 
     page.figure("machine_peak", "decode peak GFLOP/s by batch and dtype", draw)
     bf16 = peaks["bfloat16"]
-    one = min((p for p in passes if p["dtype"] == "bfloat16" and p["batch"] == 1 and "int8" not in p["path"]),
+    one = min((p for p in passes if p["dtype"] == "bfloat16" and p["batch"] == 1 and "int" not in p["path"]),
               key=lambda p: p["step_ms"])
     return (f"bf16 decode peak {bf16['16']:.0f} / {bf16['64']:.0f} GFLOP/s at batch 16 / 64; batch-1 weights "
             f"{one['gb_s']:.1f} GB/s (≤ {one['tokens_per_s_bound']:.0f} tok/s); copy {data['copy_gb_s']:.1f} GB/s")

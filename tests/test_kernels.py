@@ -6,6 +6,10 @@ promise); attention is compared in float32 within accumulation-order tolerance.
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -158,31 +162,76 @@ def test_paged_attention_in_bfloat16_tracks_float32():
     torch.testing.assert_close(got.float(), want, rtol=0.02, atol=0.02)
 
 
+INT8_MATMUL = pytest.mark.skipif(K is None or not K.int8_matmul_supported,
+                                 reason="int8.c's matmul needs a CPU with AVX-512 VNNI")
+
+
+@INT8_MATMUL
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_int8_matmul_matches_the_dequantized_weight(dtype, threads):
-    """Rows 1 to 9 (one to five passes over each tile of weight rows), inputs that are a slice
-    of a wider tensor, a bias; against x @ (codes * scale)^T in float32. The kernel may quantize
-    each input row to 16 bits (int8.c), an error of at most half a step, max|x| / 65,534, per
-    input; its bound on each output is that times the row's sum of |weights|."""
+@pytest.mark.parametrize("n, k", [(64, 128), (48, 80)])
+def test_int8_matmul_matches_the_dequantized_weight(dtype, threads, n, k):
+    """Rows 1 to 9 (one to three passes over each group of panels), 40 and 300 (split over threads),
+    inputs that are a slice of a wider tensor, a bias, 4 or 3 panels; against x @ (codes * scale)^T in
+    float32. The kernel quantizes each input row to 16 bits (int8.c), an error of at most half a
+    step, max|x| / 65,534, per input; its bound on each output is that times the row's sum of
+    |weights|."""
     from hybridlb.model.quantized import int8_rows
 
-    codes, scale = int8_rows(torch.randn(64, 128))
-    scale, bias = scale.to(dtype), torch.randn(64).to(dtype)
+    codes, scale = int8_rows(torch.randn(n, k))
+    packed = K.int8_pack(codes)
+    assert torch.equal(K.int8_unpack(packed), codes)
+    scale, bias = scale.to(dtype), torch.randn(n).to(dtype)
     dense = codes.float() * scale.float()[:, None]
-    wide = torch.randn(9, 140).to(dtype)
+    wide = torch.randn(300, k + 12).to(dtype)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for rows in range(1, 10):
-            x = wide[:rows, 7:135]  # rows 140 apart
+        for rows in [*range(1, 10), 40, 300]:
+            x = wide[:rows, 7 : 7 + k]  # rows k + 12 apart
             want = x.float() @ dense.T + bias.float()
-            got = K.int8_matmul(x, codes, codes.sum(dim=1, dtype=torch.int32), scale, bias)
-            assert got.dtype == dtype and got.shape == (rows, 64)
+            got = K.int8_matmul(x, packed, codes.sum(dim=1, dtype=torch.int32), scale, bias)
+            assert got.dtype == dtype and got.shape == (rows, n)
             bound = x.float().abs().amax(dim=1, keepdim=True) / 65534 * dense.abs().sum(dim=1) + 1e-5
             if dtype == torch.bfloat16:
                 bound = bound + want.abs() * 2**-8  # the output's rounding
-            assert ((got.float() - want).abs() <= bound).all()
+            assert ((got.float() - want).abs() <= bound).all(), rows
+    finally:
+        torch.set_num_threads(before)
+
+
+INT4_MATMUL = pytest.mark.skipif(K is None or not K.int4_matmul_supported,
+                                 reason="int4.c's matmul needs a CPU with AVX-512 BF16")
+
+
+@INT4_MATMUL
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("n, k", [(64, 128), (48, 96)])
+def test_int4_matmul_matches_the_weight_its_codes_stand_for(threads, n, k):
+    """GGUF Q4_1-style groups (float16 scale and low, codes 0..15) packed into int4.c's blocks and back
+    unchanged; rows 1 to 9, 40 and 300, strided inputs, a bias, 4 or 3 panels (an odd one alone);
+    against x @ (scale * code + low)^T in float32, within the output's bfloat16 rounding and float32
+    summation."""
+    from hybridlb.model.quantized import int4_groups
+
+    codes, scale, low = int4_groups(torch.randn(n, k))
+    scale, low = scale.half().float(), low.half().float()
+    blocks = K.int4_pack(codes, scale, low)
+    back = K.int4_unpack(blocks)
+    assert torch.equal(back[0], codes) and torch.equal(back[1], scale) and torch.equal(back[2], low)
+    dense = (codes.float().reshape(n, k // 32, 32) * scale[..., None] + low[..., None]).reshape(n, k)
+    bias = torch.randn(n).bfloat16()
+    wide = torch.randn(300, k + 12).bfloat16()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows in [*range(1, 10), 40, 300]:
+            x = wide[:rows, 5 : 5 + k]
+            want = x.float() @ dense.T + bias.float()
+            got = K.int4_matmul(x, blocks, bias)
+            assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+            bound = want.abs() * 2**-8 + (x.float().abs() @ dense.abs().T) * 1e-5 + 1e-5
+            assert ((got.float() - want).abs() <= bound).all(), rows
     finally:
         torch.set_num_threads(before)
 
@@ -199,6 +248,26 @@ def test_a_failing_compiler_is_reported_not_raised(monkeypatch, tmp_path):
         monkeypatch.undo()
         kernels.load.cache_clear()
         assert kernels.load() is not None
+
+
+@pytest.mark.slow
+def test_engines_starting_together_build_the_kernels_once(tmp_path):
+    """Two processes that find no cached library at the same moment: one compiles, the other waits
+    for it and loads the same file (each used to compile the lot, ~30 s of CPU apiece)."""
+    calls = tmp_path / "calls"
+    compiler = tmp_path / "cc"
+    real = shutil.which("cc") or shutil.which("gcc")
+    compiler.write_text(f'#!/bin/sh\necho "$*" >> {calls}\nexec {real} "$@"\n')
+    compiler.chmod(0o755)
+    env = {**os.environ, "CC": str(compiler), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    build = "from hybridlb.model import kernels; print(kernels._build()); assert kernels.load() is not None"
+    runs = [subprocess.Popen([sys.executable, "-c", build], env=env, stdout=subprocess.PIPE, text=True)
+            for _ in range(2)]
+    paths = {run.communicate(timeout=300)[0].strip() for run in runs}
+    assert [run.returncode for run in runs] == [0, 0]
+    assert len(paths) == 1 and Path(paths.pop()).exists()
+    compiled = [line for line in calls.read_text().splitlines() if " -c " in line and "attention.c" in line]
+    assert len(compiled) == 1, compiled
 
 
 BF16_MATMUL = pytest.mark.skipif(K is None or not K.bf16_matmul_supported,

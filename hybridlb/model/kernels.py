@@ -1,11 +1,12 @@
-"""The C kernels of ``csrc/`` (kernels.c, attention.c, lora.c, int8.c, bf16.c): built once per machine
+"""The C kernels of ``csrc/`` (kernels.c, attention.c, lora.c, int8.c, int4.c, bf16.c): built once per machine
 with the system's C compiler, loaded with ctypes, called on torch tensors' memory.
 
 A CPU decoder layer in eager torch is ~60 small ops whose fixed cost (~5-10 µs each)
 dominates a decode step; these kernels fuse the small work between the matmuls into
 four calls per layer. The shared library is cached under ``$XDG_CACHE_HOME/hybridlb``
 (``~/.cache/hybridlb``), keyed by the source, the compiler and the CPU's features, and
-written atomically so engines starting together can race. Without a compiler the
+written atomically; engines starting together build it once (a file lock), the units
+compiled in parallel. Without a compiler the
 engine runs the same model on torch ops alone (``available()`` says which, and why).
 Set ``HYBRIDLB_CPU_KERNELS=0`` to force the torch path when debugging.
 """
@@ -13,6 +14,7 @@ Set ``HYBRIDLB_CPU_KERNELS=0`` to force the torch path when debugging.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import functools
 import hashlib
 import logging
@@ -34,7 +36,7 @@ SOURCE_DIR = Path(__file__).parent / "csrc"
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-fopenmp"]
 # kernels.c rounds exactly as torch does, so no fused multiply-adds there; attention.c may.
 UNITS = {"kernels.c": ["-ffp-contract=off"], "attention.c": ["-ffp-contract=fast"], "lora.c": ["-ffp-contract=fast"],
-         "int8.c": ["-ffp-contract=fast"], "bf16.c": ["-ffp-contract=fast"]}
+         "int8.c": ["-ffp-contract=fast"], "bf16.c": ["-ffp-contract=fast"], "int4.c": ["-ffp-contract=fast"]}
 SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -46,9 +48,11 @@ SIGNATURES = {
     "lora_add": [_P, _I, _P, _I, _I, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I],
     "int8_matmul": [_P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I],
 }
-INT8_TILE = 4  # int8.c's NTILE: output sizes the int8 kernel takes are multiples of this
+INT8_PANEL = 16  # int8.c's PANEL: output sizes the int8 kernel takes are multiples of this, input sizes too
 BF16_PANEL = 16  # bf16.c's PANEL: output sizes the bfloat16 matmul takes are multiples of this
-BF16_ONLY = {"bf16_pack": [_P, _P, _I, _I, _I], "bf16_matmul": [_P, _I, _P, _P, _P, _I, _I, _I, _I, _I]}
+BF16_ONLY = {"bf16_pack": [_P, _P, _I, _I, _I], "bf16_matmul": [_P, _I, _P, _P, _P, _I, _I, _I, _I, _I],
+             "int4_matmul": [_P, _I, _P, _P, _P, _I, _I, _I, _I]}
+INT4_GROUP = 32  # int4.c's GROUP: inputs per scale and low (input sizes are multiples of this)
 
 
 class CPUKernels:
@@ -67,8 +71,14 @@ class CPUKernels:
             fn.argtypes, fn.restype = argtypes, None
             self._fns[name, torch.bfloat16] = fn
         library.bf16_matmul_supported.restype = ctypes.c_int64
+        library.int8_matmul_supported.restype = ctypes.c_int64
+        library.int4_matmul_supported.restype = ctypes.c_int64
         # bf16.c's matmul needs AVX-512 BF16 (vdpbf16ps); without it the linear layers stay on oneDNN.
         self.bf16_matmul_supported = bool(library.bf16_matmul_supported())
+        # int8.c's needs AVX-512 VNNI (vpdpbusd); without it int8 layers run on torch's int8 kernel.
+        self.int8_matmul_supported = bool(library.int8_matmul_supported())
+        # int4.c's (bfloat16 activations) needs AVX-512 BF16; without it 4-bit layers run on torch's kernel.
+        self.int4_matmul_supported = bool(library.int4_matmul_supported())
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -155,16 +165,80 @@ class CPUKernels:
         )
         return out
 
-    def int8_matmul(self, x: torch.Tensor, codes: torch.Tensor, code_sums: torch.Tensor, scale: torch.Tensor,
-                    bias: torch.Tensor | None) -> torch.Tensor:
-        """x [m, k] (rows may be strided) @ (codes [n, k] int8 * scale [n])^T + bias, in x's dtype
-        (int8.c; ``int8_fits`` says which shapes it takes). ``code_sums`` [n] int32: each row's
-        sum of codes."""
+    @staticmethod
+    def int8_pack(codes: torch.Tensor) -> torch.Tensor:
+        """int8 codes [n, k] in the layout ``int8_matmul`` reads (int8.c: panels of 16 output columns,
+        4 inputs deep per line): [n / 16, k / 4, 16, 4], contiguous."""
         n, k = codes.shape
+        return codes.reshape(n // INT8_PANEL, INT8_PANEL, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+
+    @staticmethod
+    def int8_unpack(packed: torch.Tensor) -> torch.Tensor:
+        """``int8_pack``'s inverse: the codes [n, k] row-major."""
+        panels, quads, _, _ = packed.shape
+        return packed.permute(0, 2, 1, 3).reshape(panels * INT8_PANEL, quads * 4)
+
+    def int8_matmul(self, x: torch.Tensor, packed: torch.Tensor, code_sums: torch.Tensor, scale: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+        """x [m, k] (rows may be strided, elements contiguous) @ (codes [n, k] int8 * scale [n])^T + bias,
+        in x's dtype, the codes packed by ``int8_pack`` (int8.c; ``int8_fits`` says which shapes it takes,
+        ``int8_matmul_supported`` whether this CPU runs it). ``code_sums`` [n] int32: each output column's
+        sum of codes."""
+        n, k = packed.shape[0] * INT8_PANEL, packed.shape[1] * 4
+        if x.shape[-1] != k or x.stride(-1) != 1:
+            raise ValueError(f"int8_matmul: x must be [m, {k}] with contiguous rows, not {tuple(x.shape)}")
         out = torch.empty((x.shape[0], n), dtype=x.dtype)
         self._fns["int8_matmul", x.dtype](
-            x.data_ptr(), x.stride(0), codes.data_ptr(), code_sums.data_ptr(), scale.data_ptr(),
+            x.data_ptr(), x.stride(0), packed.data_ptr(), code_sums.data_ptr(), scale.data_ptr(),
             None if bias is None else bias.data_ptr(), out.data_ptr(), x.shape[0], n, k, torch.get_num_threads(),
+        )
+        return out
+
+
+    @staticmethod
+    def int4_pack(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+        """4-bit codes [n, k] (0..15) with each group's scale and low [n, k / 32] (float16 values, or
+        rounded to float16) in the layout ``int4_matmul`` reads (int4.c): per panel of 16 output columns
+        and group of 32 inputs a 320-byte block, [n / 16, k / 32, 320] uint8."""
+        n, k = codes.shape
+        panels, groups = n // INT8_PANEL, k // INT4_GROUP
+        # [panel, column, group, line, j, e] -> [panel, group, line, column, e, j]; input 32 g + 8 line + 2 j + e
+        c = codes.to(torch.int32).reshape(panels, INT8_PANEL, groups, 4, 4, 2).permute(0, 2, 3, 1, 5, 4)
+        words = (c[..., 0] | c[..., 1] << 4 | c[..., 2] << 8 | c[..., 3] << 12).to(torch.int16)
+        words = words.contiguous().view(torch.uint8).reshape(panels, groups, 256)
+
+        def per_block(values: torch.Tensor) -> torch.Tensor:  # [n, groups] -> [panel, group, 32 bytes]
+            halves = values.to(torch.float16).reshape(panels, INT8_PANEL, groups).permute(0, 2, 1).contiguous()
+            return halves.view(torch.uint8).reshape(panels, groups, 2 * INT8_PANEL)
+
+        return torch.cat((words, per_block(scale), per_block(low)), dim=-1).contiguous()
+
+    @staticmethod
+    def int4_unpack(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``int4_pack``'s inverse: codes [n, k] (int32), scale and low [n, k / 32] (float32)."""
+        panels, groups, _ = packed.shape
+        words = packed[..., :256].contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+        words = words.reshape(panels, groups, 4, INT8_PANEL, 2)
+        c = torch.stack([(words >> (4 * j)) & 15 for j in range(4)], dim=-1)  # [p, g, line, column, e, j]
+        codes = c.permute(0, 3, 1, 2, 5, 4).reshape(panels * INT8_PANEL, groups * INT4_GROUP)
+
+        def per_row(part: torch.Tensor) -> torch.Tensor:
+            halves = part.contiguous().view(torch.float16).reshape(panels, groups, INT8_PANEL)
+            return halves.permute(0, 2, 1).reshape(panels * INT8_PANEL, groups).float()
+
+        return codes, per_row(packed[..., 256:288]), per_row(packed[..., 288:])
+
+    def int4_matmul(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [m, k] bfloat16 (rows may be strided, elements contiguous) @ w^T + bias → [m, n] bfloat16,
+        w as ``int4_pack`` packs it (int4.c); only where ``int4_matmul_supported``."""
+        n, k = packed.shape[0] * INT8_PANEL, packed.shape[1] * INT4_GROUP
+        if x.dtype != torch.bfloat16 or x.shape[-1] != k or x.stride(-1) != 1:
+            raise ValueError(f"int4_matmul: x must be bfloat16 [m, {k}] with contiguous rows, not {x.dtype} "
+                             f"{tuple(x.shape)}")
+        out = torch.empty((x.shape[0], n), dtype=torch.bfloat16)
+        self._fns["int4_matmul", torch.bfloat16](
+            x.data_ptr(), x.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
+            x.shape[0], n, k, torch.get_num_threads(),
         )
         return out
 
@@ -177,10 +251,10 @@ def bf16_fits(weight: torch.Tensor) -> bool:
 
 
 def int8_fits(codes: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether int8.c takes this weight: on the CPU, an input size a multiple of 64, an output size
-    a multiple of INT8_TILE, activations in a dtype the kernels have."""
+    """Whether int8.c takes this weight (given a CPU with AVX-512 VNNI): on the CPU, input and output
+    sizes multiples of INT8_PANEL, activations in a dtype the kernels have."""
     n, k = codes.shape
-    return codes.device.type == "cpu" and dtype in SUFFIXES and k % 64 == 0 and n % INT8_TILE == 0
+    return codes.device.type == "cpu" and dtype in SUFFIXES and k % INT8_PANEL == 0 and n % INT8_PANEL == 0
 
 
 def fit(device: torch.device, dtype: torch.dtype, group: int, head_dim: int, block_size: int) -> bool:
@@ -216,15 +290,29 @@ def _build() -> Path:
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        objects = []
-        for unit, flags in UNITS.items():
-            objects.append(str(Path(scratch) / f"{unit}.o"))
-            _run([compiler, *FLAGS, *flags, "-c", str(SOURCE_DIR / unit), "-o", objects[-1]], f"compiling {unit}")
-        built = Path(scratch) / target.name
-        _run([compiler, "-shared", "-fopenmp", *objects, "-o", str(built), "-lm"], "linking the kernels")
-        os.replace(built, target)
+    # Engines starting together on a fresh machine: the first builds, the others wait for it
+    # (each would otherwise spend ~30 s of CPU on the same build while the first one runs).
+    with open(target.parent / f"{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not target.exists():
+            _compile(compiler, target)
     return target
+
+
+def _compile(compiler: str, target: Path) -> None:
+    """Every unit at once (the build is as long as attention.c's), then link; renamed into place."""
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        objects = {unit: str(Path(scratch) / f"{unit}.o") for unit in UNITS}
+        jobs = {unit: subprocess.Popen([compiler, *FLAGS, *flags, "-c", str(SOURCE_DIR / unit), "-o", objects[unit]],
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                for unit, flags in UNITS.items()}
+        errors = {unit: job.communicate()[1] for unit, job in jobs.items()}
+        failed = [unit for unit, job in jobs.items() if job.returncode]
+        if failed:
+            raise RuntimeError(f"compiling {failed[0]} ({SOURCE_DIR}) failed: {errors[failed[0]].strip()[:500]}")
+        built = Path(scratch) / target.name
+        _run([compiler, "-shared", "-fopenmp", *objects.values(), "-o", str(built), "-lm"], "linking the kernels")
+        os.replace(built, target)
 
 
 def _run(command: list[str], what: str) -> None:

@@ -1,14 +1,15 @@
 """Weights kept quantized in memory: the linear layers run on int8 or 4-bit weights through
 the engine's int8 kernel or torch's CPU weight-only kernels, never holding a dequantized copy.
 
-* ``Int8Linear``: one int8 code per weight, one scale per output row (symmetric). Up to
-  INT8_KERNEL_ROWS rows (decode at low concurrency, where a step's time is the weights' bytes)
-  run on the engine's own kernel (``csrc/int8.c``: each code read once and multiplied as an
-  integer, AVX-512 VNNI); larger batches on ``torch._weight_int8pack_mm``.
+* ``Int8Linear``: one int8 code per weight, one scale per output row (symmetric), on the engine's
+  own kernel at every batch (``csrc/int8.c``: the codes in panels streamed once, multiplied as
+  integers, AVX-512 VNNI); on CPUs without VNNI on ``torch._weight_int8pack_mm``.
 * ``Int4Linear``: a 4-bit code per weight and, per block of ``GROUP`` (32) weights of a row, a scale
-  and an offset: ``w = scale * (code - 8) + zero``, torch's convention; ``_weight_int4pack_mm_for_cpu``
-  on the layout ``_convert_weight_to_int4pack_for_cpu`` packs. GGUF's Q4_0 / Q4_1 blocks are exactly
-  this grid (32 values, an affine 4-bit code), so their codes are kept as the file has them.
+  and a low value: ``w = scale * code + low``. bfloat16 engines run the engine's own kernel
+  (``csrc/int4.c``: codes in panels, scale and low in float16, AVX-512 BF16); float32 engines
+  torch's ``_weight_int4pack_mm_for_cpu`` (``w = scale * (code - 8) + zero``, torch's convention).
+  GGUF's Q4_0 / Q4_1 blocks are exactly this grid (32 values, an affine 4-bit code, float16 scale and
+  low), so their codes are kept as the file has them.
 * ``Int8Embedding``: the token embedding as int8 rows with a scale each, dequantized per looked-up row.
 
 What is quantized (``loader.quantization_targets``): the attention's qkv and output projections, the
@@ -30,7 +31,6 @@ GROUP = 32
 PACK_ROWS = 16  # torch's 4-bit packing takes output sizes divisible by this (others are kept as int8)
 METHODS = ("int8", "int4", "gguf")
 INT8_MAX = 127
-INT8_KERNEL_ROWS = 32  # rows up to which int8.c runs the int8 matmul (faster than torch's up to here)
 
 
 def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,17 +58,22 @@ def int4_groups(weight: torch.Tensor, grid: tuple[torch.Tensor, torch.Tensor] | 
 
 
 class Int8Linear(nn.Module):
-    """y = x @ (codes * scale)^T + bias, with codes int8 [out, in] and one scale per output row."""
+    """y = x @ (codes * scale)^T + bias, with codes int8 [out, in] and one scale per output row. On a
+    CPU with AVX-512 VNNI the codes are held in int8.c's panel layout (``packed``) and every batch
+    runs there; elsewhere row-major (``codes``) for torch's int8 kernel. One copy either way."""
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
         super().__init__()
         self.out_features, self.in_features = codes.shape
-        self.register_buffer("codes", codes.contiguous())
         self.register_buffer("scale", scale.to(dtype).contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
-        self.kernels = kernels.load() if kernels.int8_fits(self.codes, dtype) else None
-        if self.kernels is not None:
-            self.register_buffer("code_sums", self.codes.sum(dim=1, dtype=torch.int32), persistent=False)
+        found = kernels.load() if kernels.int8_fits(codes, dtype) else None
+        self.kernels = found if found is not None and found.int8_matmul_supported else None
+        if self.kernels is None:
+            self.register_buffer("codes", codes.contiguous())
+            return
+        self.register_buffer("packed", self.kernels.int8_pack(codes))
+        self.register_buffer("code_sums", codes.sum(dim=1, dtype=torch.int32), persistent=False)
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> Int8Linear:
@@ -76,21 +81,29 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(self.scale.dtype)
-        if self.kernels is not None and flat.shape[0] <= INT8_KERNEL_ROWS and flat.stride(-1) == 1:
-            out = self.kernels.int8_matmul(flat, self.codes, self.code_sums, self.scale, self.bias)
+        if self.kernels is not None:
+            if flat.stride(-1) != 1:
+                flat = flat.contiguous()
+            out = self.kernels.int8_matmul(flat, self.packed, self.code_sums, self.scale, self.bias)
             return out.reshape(*x.shape[:-1], self.out_features)
         out = torch._weight_int8pack_mm(flat, self.codes, self.scale)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
 
+    def row_codes(self) -> torch.Tensor:
+        """The codes [out, in], row-major (a view or a copy)."""
+        return self.codes if self.kernels is None else self.kernels.int8_unpack(self.packed)
+
     def dense_weight(self) -> torch.Tensor:
         """The weight these codes stand for, in float32 (tests and tools)."""
-        return self.codes.float() * self.scale.float()[:, None]
+        return self.row_codes().float() * self.scale.float()[:, None]
 
 
 class Int4Linear(nn.Module):
-    """y = x @ W^T + bias with W held as 4-bit codes in groups of GROUP along the input dimension."""
+    """y = x @ W^T + bias with W held as 4-bit codes in groups of GROUP along the input dimension. In a
+    bfloat16 engine on a CPU with AVX-512 BF16 the codes, scales and lows (float16) sit in int4.c's
+    panel layout (``blocks``); otherwise in torch's 4-bit layout (``packed``) for its kernel."""
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bias: torch.Tensor | None,
                  dtype: torch.dtype):
@@ -99,12 +112,18 @@ class Int4Linear(nn.Module):
         if self.in_features % GROUP or self.out_features % PACK_ROWS:
             raise ValueError(f"4-bit weights need an input size divisible by {GROUP} and an output size divisible "
                              f"by {PACK_ROWS}, got {self.out_features} x {self.in_features}")
+        self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
+        self.dtype = dtype
+        found = kernels.load() if dtype == torch.bfloat16 else None
+        self.kernels = found if found is not None and found.int4_matmul_supported else None
+        if self.kernels is not None:
+            self.register_buffer("blocks", self.kernels.int4_pack(codes, scale, low))
+            return
         self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 2))
         # torch's convention, w = scale * (code - 8) + zero, so zero = low + 8 * scale; [K / GROUP, N, 2].
         zeros = low + 8 * scale
         self.register_buffer("scales_and_zeros", torch.stack((scale, zeros), dim=-1).transpose(0, 1)
                              .to(dtype).contiguous())
-        self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
@@ -112,14 +131,22 @@ class Int4Linear(nn.Module):
         return cls(*int4_groups(weight, grid), bias, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(self.scales_and_zeros.dtype)
+        flat = x.reshape(-1, self.in_features).to(self.dtype)
+        if self.kernels is not None:
+            if flat.stride(-1) != 1:
+                flat = flat.contiguous()
+            return self.kernels.int4_matmul(flat, self.blocks, self.bias).reshape(*x.shape[:-1], self.out_features)
         out = torch._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_and_zeros)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def dense_weight(self) -> torch.Tensor:
-        """The weight these codes stand for, in float32, via the kernel itself (an identity input)."""
+        """The weight these codes stand for, in float32: from the held codes, scales and lows (int4.c's
+        layout), else via torch's kernel itself (an identity input)."""
+        if self.kernels is not None:
+            codes, scale, low = self.kernels.int4_unpack(self.blocks)
+            return (codes.float().reshape(*scale.shape, GROUP) * scale[..., None] + low[..., None]).reshape(codes.shape)
         eye = torch.eye(self.in_features, dtype=self.scales_and_zeros.dtype)
         return torch._weight_int4pack_mm_for_cpu(eye, self.packed, GROUP, self.scales_and_zeros).float().T
 

@@ -9,6 +9,8 @@ import openai
 import pytest
 
 from hybridlb import LLM, SamplingParams
+from hybridlb.model import kernels
+from hybridlb.model.quantized import Int4Linear
 from tests.conftest import PROMPTS, SMOLLM2
 from tests.servers import Server, start_servers
 
@@ -76,3 +78,21 @@ def test_int8_at_load_follows_float32(smollm2_hf_dir):
     agreed = [_agreed(a, b) for a, b in zip(ours, reference, strict=True)]
     assert sum(n == AGREE_TOKENS for n in agreed) >= 5, agreed
 
+
+
+@pytest.mark.skipif(not (kernels.load() and kernels.load().int4_matmul_supported),
+                    reason="int4.c's matmul needs a CPU with AVX-512 BF16")
+def test_bfloat16_engine_runs_4_bit_blocks_on_its_own_kernel_and_follows_the_dequantized_one():
+    """In bfloat16 (the default where the CPU has AVX-512 BF16) the file's 4-bit blocks run on int4.c:
+    each projection holds its blocks (no torch 4-bit layout, no dequantized copy) and greedy output
+    follows the bfloat16 engine that dequantizes the same file."""
+    greedy = SamplingParams(max_tokens=AGREE_TOKENS, temperature=0, ignore_eos=True)
+    options = dict(max_model_len=512, num_kv_blocks=128, dtype="bfloat16", torch_threads=2)
+    kept = LLM(SMOLLM2, quantization="gguf", **options)
+    layers = [m for m in kept.engine.runner.model.modules() if isinstance(m, Int4Linear)]
+    assert len(layers) == 4 * 30 and all(hasattr(m, "blocks") and not hasattr(m, "packed") for m in layers)
+    ours = [o.token_ids for o in kept.generate(PROMPTS, greedy)]
+    del kept
+    reference = [o.token_ids for o in LLM(SMOLLM2, **options).generate(PROMPTS, greedy)]
+    agreed = [_agreed(a, b) for a, b in zip(ours, reference, strict=True)]
+    assert sum(n == AGREE_TOKENS for n in agreed) >= 5, agreed

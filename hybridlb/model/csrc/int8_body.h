@@ -1,35 +1,95 @@
-/* The int8 matmul for one activation dtype: T, LOAD, STORE, SUFFIX. Included by int8.c. */
+/* The int8 matmul for one activation dtype: T, LOAD, STORE, LOAD16 (16 T as floats), SUFFIX.
+ * Included by int8.c. */
 
 #define NAME(name) CAT(name, SUFFIX)
 
-/* out [m, n] (contiguous) = x [m, k] (rows x_stride apart) @ (codes [n, k] * scale [n])^T + bias [n]
- * (bias may be NULL); scale and bias in T; code_sums [n]: each row's sum of codes. */
-void NAME(int8_matmul)(const T *x, int64_t x_stride, const int8_t *codes, const int32_t *code_sums, const T *scale,
-                       const T *bias, T *out, int64_t m, int64_t n, int64_t k, int64_t threads) {
-    float *xf = malloc(sizeof(float) * m * k + sizeof(float) * m + 2 * m * k);
-    float *row_scale = xf + m * k;
-    uint8_t *bytes = (uint8_t *)(row_scale + m);
-    for (int64_t i = 0; i < m; i++)
-        for (int64_t c = 0; c < k; c++) xf[i * k + c] = LOAD(x[i * x_stride + c]);
 #ifdef INT8_VNNI
-    quantize_rows(xf, m, k, bytes, row_scale);
-#endif
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && n * k >= PARALLEL_MIN_ELEMENTS)
-    for (int64_t tile = 0; tile < n / NTILE; tile++) {
-        float products[MTILE * NTILE];
-        int64_t n0 = tile * NTILE;
-        for (int64_t i0 = 0; i0 < m; i0 += MTILE) {
-            int64_t rows = m - i0 < MTILE ? m - i0 : MTILE;
-            int8_products(xf, bytes, row_scale, codes, code_sums, k, i0, rows, n0, products);
-            for (int64_t i = 0; i < rows; i++)
-                for (int64_t j = 0; j < NTILE; j++) {
-                    float value = products[i * NTILE + j] * LOAD(scale[n0 + j]);
-                    if (bias) value += LOAD(bias[n0 + j]);
-                    out[(i0 + i) * n + n0 + j] = STORE(value);
+/* Each input row quantized to 16 bits and split (int8.c): bytes[2 * i * k ..] its high' bytes,
+ * then its low bytes; row_scale[i] its step. */
+static void NAME(split_rows)(const T *x, int64_t x_stride, int64_t m, int64_t k, uint8_t *bytes, float *row_scale,
+                             int64_t threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && m * k >= 4 * PARALLEL_MIN_ELEMENTS)
+    for (int64_t i = 0; i < m; i++) {
+        const T *row = x + i * x_stride;
+        __m512 top = _mm512_setzero_ps();
+        for (int64_t c = 0; c < k; c += 16) top = _mm512_max_ps(top, _mm512_abs_ps(LOAD16(row + c)));
+        float largest = _mm512_reduce_max_ps(top), scale = largest > 0.0f ? largest / 32767.0f : 1.0f;
+        __m512 inverse = _mm512_set1_ps(1.0f / scale);
+        uint8_t *high = bytes + 2 * i * k, *low = high + k;
+        for (int64_t c = 0; c < k; c += 16) {
+            __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(LOAD16(row + c), inverse)); /* nearest, ties to even */
+            _mm_storeu_si128((__m128i *)(high + c), _mm512_cvtepi32_epi8(_mm512_add_epi32(_mm512_srai_epi32(q, 8),
+                                                                                          _mm512_set1_epi32(128))));
+            _mm_storeu_si128((__m128i *)(low + c), _mm512_cvtepi32_epi8(_mm512_and_si512(q, _mm512_set1_epi32(255))));
+        }
+        row_scale[i] = scale;
+    }
+}
+
+#define BLOCK(R, C) int8_block(b, k, packed, code_sums, row_scale + r0, first, R, C, sums)
+#define BY_ROWS(C) switch (rows) { case 1: BLOCK(1, C); break; case 2: BLOCK(2, C); break; default: BLOCK(3, C); }
+
+/* Panels [begin, end) for all m rows, in groups of up to PANELS panels and ROWS rows. */
+static void NAME(int8_panels)(const uint8_t *bytes, const float *row_scale, const int8_t *packed,
+                              const int32_t *code_sums, const T *scale, const T *bias, T *out, int64_t m, int64_t n,
+                              int64_t k, int64_t begin, int64_t end) {
+    __m512 sums[ROWS][PANELS];
+    for (int64_t first = begin; first < end; first += PANELS) {
+        int64_t count = end - first < PANELS ? end - first : PANELS;
+        for (int64_t r0 = 0; r0 < m; r0 += ROWS) {
+            int64_t rows = m - r0 < ROWS ? m - r0 : ROWS;
+            const uint8_t *b = bytes + 2 * r0 * k;
+            switch (count) {
+            case 1: BY_ROWS(1) break;
+            case 2: BY_ROWS(2) break;
+            case 3: BY_ROWS(3) break;
+            default: BY_ROWS(4) break;
+            }
+            for (int64_t c = 0; c < count; c++) {
+                int64_t col = (first + c) * PANEL;
+                __m512 column_scale = LOAD16(scale + col);
+                __m512 add = bias ? LOAD16(bias + col) : _mm512_setzero_ps();
+                for (int64_t r = 0; r < rows; r++) {
+                    float lanes[PANEL];
+                    _mm512_storeu_ps(lanes, _mm512_fmadd_ps(sums[r][c], column_scale, add));
+                    T *to = out + (r0 + r) * n + col;
+                    for (int j = 0; j < PANEL; j++) to[j] = STORE(lanes[j]);
                 }
+            }
         }
     }
-    free(xf);
+}
+#undef BY_ROWS
+#undef BLOCK
+#endif
+
+/* out [m, n] (contiguous) = x [m, k] (rows x_stride apart) @ (codes [n, k] * scale [n])^T + bias [n]
+ * (bias may be NULL), the codes packed in panels (int8.c); scale and bias in T; code_sums [n]: each
+ * output column's sum of codes. Does nothing where int8_matmul_supported() is 0. */
+void NAME(int8_matmul)(const T *x, int64_t x_stride, const int8_t *packed, const int32_t *code_sums, const T *scale,
+                       const T *bias, T *out, int64_t m, int64_t n, int64_t k, int64_t threads) {
+#ifdef INT8_VNNI
+    int64_t panels = n / PANEL;
+    if (m <= 0) return;
+    uint8_t *bytes = malloc(2 * m * k + sizeof(float) * m);
+    float *row_scale = (float *)(bytes + 2 * m * k);
+    NAME(split_rows)(x, x_stride, m, k, bytes, row_scale, threads);
+    if (threads > panels) threads = panels;
+    if (threads <= 1 || m * n * k < 64 * PARALLEL_MIN_ELEMENTS) {
+        NAME(int8_panels)(bytes, row_scale, packed, code_sums, scale, bias, out, m, n, k, 0, panels);
+    } else {
+#pragma omp parallel num_threads(threads)
+        {
+            int64_t t = omp_get_thread_num(), parts = omp_get_num_threads();
+            NAME(int8_panels)(bytes, row_scale, packed, code_sums, scale, bias, out, m, n, k, panels * t / parts,
+                              panels * (t + 1) / parts);
+        }
+    }
+    free(bytes);
+#else
+    (void)x, (void)x_stride, (void)packed, (void)code_sums, (void)scale, (void)bias, (void)out, (void)m, (void)n,
+        (void)k, (void)threads;
+#endif
 }
 
 #undef NAME

@@ -1,0 +1,163 @@
+/* 4-bit weight-only matmul with bfloat16 activations (hybridlb/model/quantized.py, Int4Linear):
+ * out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]), w[n, k] = scale[n, g] * code[n, k] + low[n, g]
+ * for the group g = k / 32 of 32 inputs, code 0..15: GGUF's Q4_0 and Q4_1 blocks exactly (their
+ * scale and low are float16 in the file, and float16 here).
+ *
+ * At batch 1 a step streams every weight once, so 4-bit codes read a quarter of bfloat16's bytes
+ * (plus 4 bytes of scale and low per 32). They are multiplied without a table or a conversion: a
+ * code c, shifted into the top of a bfloat16's mantissa under the exponent of 1.0, is the
+ * bfloat16 value 1 + c / 16 (0x3F80 | c << 3), so one shift and one ternary-logic instruction make
+ * 32 such values out of 32 16-bit words of codes, and vdpbf16ps multiplies them by a broadcast
+ * pair of inputs exactly as bf16.c multiplies bfloat16 weights. Per group,
+ *   sum_k x w = scale * 16 * (sum_k x (1 + c / 16) - sum_k x) + low * sum_k x,
+ * with each row's group sums of x computed first. The codes go in panels of 16 output columns
+ * (bf16.c's layout, four bit planes to a word): per panel and group one 320-byte block,
+ *   words[line][column][2]: line 0..3 covers inputs 8 line .. 8 line + 7, the word of (column,
+ *   e) holding the codes of inputs 8 line + 2 j + e in its bits 4 j .. 4 j + 3, j = 0..3;
+ *   then scale[16] and low[16] as float16;
+ * a panel is one contiguous stream, read once, in order, prefetched ahead. Up to PANELS panels
+ * go against up to ROWS input rows at once; more rows go round again over the same panels (then
+ * in L2); the panels are split over torch's OpenMP pool. One rounding per output element.
+ *
+ * Without AVX-512 BF16 int4_matmul_supported() is 0 and quantized.py keeps torch's 4-bit kernel.
+ * n must be a multiple of 16 and k of 32 (kernels.py checks). */
+
+#include "common.h"
+#include <omp.h>
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__F16C__)
+#include <immintrin.h>
+#define INT4_DOT 1
+#endif
+
+#define PANEL 16  /* output columns per panel */
+#define GROUP 32  /* inputs per scale and low */
+#define PANELS 2  /* panels multiplied at once */
+#define ROWS 4    /* input rows at once (2 x ROWS x PANELS sums, 4 code vectors: 24 registers) */
+#define BLOCK_BYTES (GROUP * PANEL / 2 + 2 * PANEL * 2) /* 256 bytes of codes, 64 of scale and low */
+#define PREFETCH 1280
+
+int64_t int4_matmul_supported(void) {
+#ifdef INT4_DOT
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#ifdef INT4_DOT
+/* Bit plane j of 32 words of codes as the bfloat16 values 1 + code / 16. */
+static inline __m512bh plane(__m512i words, int j) {
+    __m512i shifted = j == 0 ? _mm512_slli_epi16(words, 3) : _mm512_srli_epi16(words, 4 * j - 3);
+    /* (shifted & 0x0078) | 0x3F80 */
+    return (__m512bh)_mm512_ternarylogic_epi32(shifted, _mm512_set1_epi16(0x0078), _mm512_set1_epi16(0x3F80), 0xEA);
+}
+
+/* Rows [0, R) times panels [first, first + C), R and C constants after inlining. */
+static inline __attribute__((always_inline)) void int4_block(const uint16_t *x, int64_t x_stride, const float *xsum,
+                                                             const uint8_t *packed, const uint16_t *bias,
+                                                             uint16_t *out, int64_t n, int64_t k, int64_t first,
+                                                             const int R, const int C) {
+    int64_t groups = k / GROUP;
+    __m512 total[ROWS][PANELS];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) total[r][c] = _mm512_setzero_ps();
+    const uint8_t *stream[PANELS];
+    for (int c = 0; c < C; c++) stream[c] = packed + (first + c) * groups * BLOCK_BYTES;
+    for (int64_t g = 0; g < groups; g++) {
+        __m512 sums[ROWS][PANELS];
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < C; c++) sums[r][c] = _mm512_setzero_ps();
+        for (int line = 0; line < 4; line++) {
+            const uint16_t *xs = x + g * GROUP + 8 * line;
+            for (int c = 0; c < C; c++) {
+                _mm_prefetch((const char *)stream[c] + PREFETCH + 64 * line, _MM_HINT_T0);
+                __m512i words = _mm512_loadu_si512(stream[c] + 64 * line);
+                __m512bh w[4] = {plane(words, 0), plane(words, 1), plane(words, 2), plane(words, 3)};
+                for (int r = 0; r < R; r++)
+                    for (int j = 0; j < 4; j++) {
+                        int32_t two;
+                        memcpy(&two, xs + r * x_stride + 2 * j, sizeof two);
+                        sums[r][c] = _mm512_dpbf16_ps(sums[r][c], (__m512bh)_mm512_set1_epi32(two), w[j]);
+                    }
+            }
+        }
+        for (int c = 0; c < C; c++) {
+            const uint8_t *meta = stream[c] + GROUP * PANEL / 2;
+            __m512 scale = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const void *)meta)), _mm512_set1_ps(16.0f));
+            __m512 low = _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(meta + 2 * PANEL)));
+            for (int r = 0; r < R; r++) {
+                __m512 s = _mm512_set1_ps(xsum[r * groups + g]);
+                total[r][c] = _mm512_fmadd_ps(scale, _mm512_sub_ps(sums[r][c], s), total[r][c]);
+                total[r][c] = _mm512_fmadd_ps(low, s, total[r][c]);
+            }
+            stream[c] += BLOCK_BYTES;
+        }
+    }
+    for (int c = 0; c < C; c++) {
+        __m512 add = _mm512_setzero_ps();
+        if (bias)
+            add = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)(bias + (first + c) * PANEL))), 16));
+        for (int r = 0; r < R; r++)
+            _mm256_storeu_si256((void *)(out + r * n + (first + c) * PANEL),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(total[r][c], add)));
+    }
+}
+
+#define BLOCK(R, C) int4_block(x + r0 * x_stride, x_stride, xsum + r0 * groups, packed, bias, out + r0 * n, n, k, \
+                               first, R, C)
+#define BY_ROWS(C) switch (rows) { \
+    case 1: BLOCK(1, C); break; case 2: BLOCK(2, C); break; case 3: BLOCK(3, C); break; default: BLOCK(4, C); }
+
+static void int4_panels(const uint16_t *x, int64_t x_stride, const float *xsum, const uint8_t *packed,
+                        const uint16_t *bias, uint16_t *out, int64_t m, int64_t n, int64_t k, int64_t begin,
+                        int64_t end) {
+    int64_t groups = k / GROUP;
+    for (int64_t first = begin; first < end; first += PANELS) {
+        int64_t count = end - first < PANELS ? end - first : PANELS;
+        for (int64_t r0 = 0; r0 < m; r0 += ROWS) {
+            int64_t rows = m - r0 < ROWS ? m - r0 : ROWS;
+            if (count == 1) {
+                BY_ROWS(1)
+            } else {
+                BY_ROWS(2)
+            }
+        }
+    }
+}
+#undef BY_ROWS
+#undef BLOCK
+#endif
+
+/* out [m, n] bfloat16 (contiguous) = x [m, k] bfloat16 (rows x_stride apart) @ w^T + bias (may be
+ * NULL), w packed as above. Does nothing where int4_matmul_supported() is 0. */
+void int4_matmul(const uint16_t *x, int64_t x_stride, const uint8_t *packed, const uint16_t *bias, uint16_t *out,
+                 int64_t m, int64_t n, int64_t k, int64_t threads) {
+#ifdef INT4_DOT
+    int64_t panels = n / PANEL, groups = k / GROUP;
+    if (m <= 0) return;
+    float *xsum = malloc(sizeof(float) * m * groups);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && m * k >= 4 * PARALLEL_MIN_ELEMENTS)
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t g = 0; g < groups; g++) {
+            const uint16_t *p = x + i * x_stride + g * GROUP;
+            __m512 a = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)p)), 16));
+            __m512 b = _mm512_castsi512_ps(
+                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)(p + 16))), 16));
+            xsum[i * groups + g] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+        }
+    if (threads > panels) threads = panels;
+    if (threads <= 1 || m * n * k < 64 * PARALLEL_MIN_ELEMENTS) {
+        int4_panels(x, x_stride, xsum, packed, bias, out, m, n, k, 0, panels);
+    } else {
+#pragma omp parallel num_threads(threads)
+        {
+            int64_t t = omp_get_thread_num(), parts = omp_get_num_threads();
+            int4_panels(x, x_stride, xsum, packed, bias, out, m, n, k, panels * t / parts, panels * (t + 1) / parts);
+        }
+    }
+    free(xsum);
+#else
+    (void)x, (void)x_stride, (void)packed, (void)bias, (void)out, (void)m, (void)n, (void)k, (void)threads;
+#endif
+}
