@@ -34,7 +34,7 @@ from report_lora import lora
 from report_machine import machine_peak, step_profile
 from report_routing import prefix_routing
 from report_sections import Page, generic
-from report_vs_vllm import vs_vllm
+from report_vs_vllm import step_budget, vs_vllm
 
 SECTIONS: dict[str, Callable[[Page, dict], str]] = {
     "engine_throughput": sections.engine_throughput, "api_overhead": api_overhead, "vs_vllm": vs_vllm,
@@ -43,6 +43,7 @@ SECTIONS: dict[str, Callable[[Page, dict], str]] = {
     "load": sections.load, "soak": sections.soak, "control_plane": sections.control_plane,
     "prefix_routing": prefix_routing, "chat_ttft": chat_ttft, "quantized": quantized,
     "speculative": speculative, "lora": lora, "machine_peak": machine_peak, "step_profile": step_profile,
+    "step_budget": step_budget,
 }
 
 BENCHMARKS: dict[str, tuple[str, str, str]] = {  # name: title, command, what it measures
@@ -57,6 +58,11 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {  # name: title, command, what it
                     "--dp 2 --workloads 32/64c16,32/64c64 --out benchmarks/results/vs_vllm_dp2.json",
                     "`--data-parallel-size 2` on one node against vLLM's `--data-parallel-hybrid-lb`, SmolLM2 "
                     "bfloat16, each server alone."),
+    "step_budget": ("The step's token budget: first tokens against output pace",
+                    "python benchmarks/step_budget.py --rounds 2",
+                    "hybridlb alone, SmolLM2 bfloat16, one server per `--max-num-batched-tokens`, rounds running the "
+                    "budgets forwards then backwards; the two shapes where prompts arrive in bursts. How the CPU "
+                    "default (1,024) was chosen."),
     "dp_overhead": ("Data-parallel overhead and balance", "python benchmarks/dp_overhead.py",
                     "DP=2 behind one API server vs two independent servers; balance under skewed load."),
     "moe_waves": ("MoE lockstep waves", "python benchmarks/moe_waves.py",

@@ -1,4 +1,4 @@
-"""The report section of benchmarks/vs_vllm.py (see report_sections.py)."""
+"""The report sections of benchmarks/vs_vllm.py and benchmarks/step_budget.py (see report_sections.py)."""
 
 from __future__ import annotations
 
@@ -69,3 +69,29 @@ def vs_vllm(page, data: dict) -> str:
         page.text("`vllm bench serve` against hybridlb (API compatibility):")
         page.code(data["vllm_bench_serve_against_hybridlb"])
     return f"hybridlb/vLLM output tok/s {min(ratios):.2f}-{max(ratios):.2f}x" if ratios else ""
+
+
+def step_budget(page, data: dict) -> str:
+    rows = data["rows"]
+    page.table(["budget (tokens per step)", "in / out", "concurrency", "output tok/s", "mean TTFT ms", "P99 TTFT ms",
+                "mean TPOT ms"],
+               [[r["budget"], f"{r['input']} / {r['output']}", r["concurrency"], _with_rounds(r), r["mean_ttft_ms"],
+                 r["p99_ttft_ms"], r["mean_tpot_ms"]] for r in rows])
+
+    def draw(ax):
+        shapes = sorted({(r["input"], r["output"], r["concurrency"]) for r in rows})
+        budgets = sorted({r["budget"] for r in rows}, reverse=True)
+        by = {(r["budget"], r["input"], r["output"], r["concurrency"]): r["mean_ttft_ms"] for r in rows}
+        bars(ax, [f"{i}/{o} c{c}" for i, o, c in shapes],
+             {f"budget {b}": [by[(b, *s)] for s in shapes] for b in budgets}, "mean TTFT ms")
+
+    page.figure("step_budget", "mean TTFT by step budget", draw)
+    first = rows[0]
+    at = {r["budget"]: r for r in rows if (r["input"], r["output"], r["concurrency"]) ==
+          (first["input"], first["output"], first["concurrency"])}
+    if 2048 in at and 1024 in at:
+        a, b = at[2048], at[1024]
+        return (f"{first['input']}/{first['output']} c{first['concurrency']}, 1024 vs 2048: TTFT "
+                f"{b['mean_ttft_ms'] / a['mean_ttft_ms']:.2f}x, TPOT {b['mean_tpot_ms'] / a['mean_tpot_ms']:.2f}x, "
+                f"tok/s {b['output_tok_s'] / a['output_tok_s']:.2f}x")
+    return f"{len(rows)} rows"

@@ -18,8 +18,9 @@ MODEL_ALIASES = {
 }
 
 # max_num_batched_tokens by device. On CPU a step of 2,048 prompt tokens takes ~1 s (SmolLM2,
-# bfloat16 at the matmul peak), so a burst of prompts waits long for its first tokens; 1024
-# halves that wait for ~8 % more time per output token (benchmarks/REPORT.md, vs vLLM).
+# bfloat16 at the matmul peak), so prompts that arrive together wait long for their first
+# tokens; at 1,024 they come ~27 % sooner for ~7 % more time per output token, at the same
+# throughput (benchmarks/step_budget.py, 256 in / 128 out at concurrency 32).
 DEFAULT_STEP_BUDGET = {"cpu": 1024, "cuda": 8192}
 
 
