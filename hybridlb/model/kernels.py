@@ -48,8 +48,7 @@ SIGNATURES = {
     "lora_add": [_P, _I, _P, _I, _I, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I],
     "int8_matmul": [_P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I],
 }
-INT8_PANEL = 16  # int8.c's PANEL: output sizes the int8 kernel takes are multiples of this, input sizes too
-BF16_PANEL = 16  # bf16.c's PANEL: output sizes the bfloat16 matmul takes are multiples of this
+PANEL = 16  # bf16.c, int8.c and int4.c's PANEL: output columns per panel (output sizes are multiples of it)
 BF16_ONLY = {"bf16_pack": [_P, _P, _I, _I, _I], "bf16_matmul": [_P, _I, _P, _P, _P, _I, _I, _I, _I, _I],
              "int4_matmul": [_P, _I, _P, _P, _P, _I, _I, _I, _I]}
 INT4_GROUP = 32  # int4.c's GROUP: inputs per scale and low (input sizes are multiples of this)
@@ -170,13 +169,13 @@ class CPUKernels:
         """int8 codes [n, k] in the layout ``int8_matmul`` reads (int8.c: panels of 16 output columns,
         4 inputs deep per line): [n / 16, k / 4, 16, 4], contiguous."""
         n, k = codes.shape
-        return codes.reshape(n // INT8_PANEL, INT8_PANEL, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+        return codes.reshape(n // PANEL, PANEL, k // 4, 4).permute(0, 2, 1, 3).contiguous()
 
     @staticmethod
     def int8_unpack(packed: torch.Tensor) -> torch.Tensor:
         """``int8_pack``'s inverse: the codes [n, k] row-major."""
         panels, quads, _, _ = packed.shape
-        return packed.permute(0, 2, 1, 3).reshape(panels * INT8_PANEL, quads * 4)
+        return packed.permute(0, 2, 1, 3).reshape(panels * PANEL, quads * 4)
 
     def int8_matmul(self, x: torch.Tensor, packed: torch.Tensor, code_sums: torch.Tensor, scale: torch.Tensor,
                     bias: torch.Tensor | None) -> torch.Tensor:
@@ -184,7 +183,7 @@ class CPUKernels:
         in x's dtype, the codes packed by ``int8_pack`` (int8.c; ``int8_fits`` says which shapes it takes,
         ``int8_matmul_supported`` whether this CPU runs it). ``code_sums`` [n] int32: each output column's
         sum of codes."""
-        n, k = packed.shape[0] * INT8_PANEL, packed.shape[1] * 4
+        n, k = packed.shape[0] * PANEL, packed.shape[1] * 4
         if x.shape[-1] != k or x.stride(-1) != 1:
             raise ValueError(f"int8_matmul: x must be [m, {k}] with contiguous rows, not {tuple(x.shape)}")
         out = torch.empty((x.shape[0], n), dtype=x.dtype)
@@ -201,15 +200,15 @@ class CPUKernels:
         rounded to float16) in the layout ``int4_matmul`` reads (int4.c): per panel of 16 output columns
         and group of 32 inputs a 320-byte block, [n / 16, k / 32, 320] uint8."""
         n, k = codes.shape
-        panels, groups = n // INT8_PANEL, k // INT4_GROUP
+        panels, groups = n // PANEL, k // INT4_GROUP
         # [panel, column, group, line, j, e] -> [panel, group, line, column, e, j]; input 32 g + 8 line + 2 j + e
-        c = codes.to(torch.int32).reshape(panels, INT8_PANEL, groups, 4, 4, 2).permute(0, 2, 3, 1, 5, 4)
+        c = codes.to(torch.int32).reshape(panels, PANEL, groups, 4, 4, 2).permute(0, 2, 3, 1, 5, 4)
         words = (c[..., 0] | c[..., 1] << 4 | c[..., 2] << 8 | c[..., 3] << 12).to(torch.int16)
         words = words.contiguous().view(torch.uint8).reshape(panels, groups, 256)
 
         def per_block(values: torch.Tensor) -> torch.Tensor:  # [n, groups] -> [panel, group, 32 bytes]
-            halves = values.to(torch.float16).reshape(panels, INT8_PANEL, groups).permute(0, 2, 1).contiguous()
-            return halves.view(torch.uint8).reshape(panels, groups, 2 * INT8_PANEL)
+            halves = values.to(torch.float16).reshape(panels, PANEL, groups).permute(0, 2, 1).contiguous()
+            return halves.view(torch.uint8).reshape(panels, groups, 2 * PANEL)
 
         return torch.cat((words, per_block(scale), per_block(low)), dim=-1).contiguous()
 
@@ -218,20 +217,20 @@ class CPUKernels:
         """``int4_pack``'s inverse: codes [n, k] (int32), scale and low [n, k / 32] (float32)."""
         panels, groups, _ = packed.shape
         words = packed[..., :256].contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
-        words = words.reshape(panels, groups, 4, INT8_PANEL, 2)
+        words = words.reshape(panels, groups, 4, PANEL, 2)
         c = torch.stack([(words >> (4 * j)) & 15 for j in range(4)], dim=-1)  # [p, g, line, column, e, j]
-        codes = c.permute(0, 3, 1, 2, 5, 4).reshape(panels * INT8_PANEL, groups * INT4_GROUP)
+        codes = c.permute(0, 3, 1, 2, 5, 4).reshape(panels * PANEL, groups * INT4_GROUP)
 
         def per_row(part: torch.Tensor) -> torch.Tensor:
-            halves = part.contiguous().view(torch.float16).reshape(panels, groups, INT8_PANEL)
-            return halves.permute(0, 2, 1).reshape(panels * INT8_PANEL, groups).float()
+            halves = part.contiguous().view(torch.float16).reshape(panels, groups, PANEL)
+            return halves.permute(0, 2, 1).reshape(panels * PANEL, groups).float()
 
         return codes, per_row(packed[..., 256:288]), per_row(packed[..., 288:])
 
     def int4_matmul(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [m, k] bfloat16 (rows may be strided, elements contiguous) @ w^T + bias → [m, n] bfloat16,
         w as ``int4_pack`` packs it (int4.c); only where ``int4_matmul_supported``."""
-        n, k = packed.shape[0] * INT8_PANEL, packed.shape[1] * INT4_GROUP
+        n, k = packed.shape[0] * PANEL, packed.shape[1] * INT4_GROUP
         if x.dtype != torch.bfloat16 or x.shape[-1] != k or x.stride(-1) != 1:
             raise ValueError(f"int4_matmul: x must be bfloat16 [m, {k}] with contiguous rows, not {x.dtype} "
                              f"{tuple(x.shape)}")
@@ -245,16 +244,16 @@ class CPUKernels:
 
 def bf16_fits(weight: torch.Tensor) -> bool:
     """Whether bf16.c's matmul takes this weight (given a CPU with AVX-512 BF16): a bfloat16 CPU
-    matrix whose output size is a multiple of BF16_PANEL and input size even."""
+    matrix whose output size is a multiple of PANEL and input size even."""
     n, k = weight.shape
-    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and n % BF16_PANEL == 0 and k % 2 == 0
+    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and n % PANEL == 0 and k % 2 == 0
 
 
 def int8_fits(codes: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether int8.c takes this weight (given a CPU with AVX-512 VNNI): on the CPU, input and output
-    sizes multiples of INT8_PANEL, activations in a dtype the kernels have."""
+    sizes multiples of PANEL, activations in a dtype the kernels have."""
     n, k = codes.shape
-    return codes.device.type == "cpu" and dtype in SUFFIXES and k % INT8_PANEL == 0 and n % INT8_PANEL == 0
+    return codes.device.type == "cpu" and dtype in SUFFIXES and k % PANEL == 0 and n % PANEL == 0
 
 
 def fit(device: torch.device, dtype: torch.dtype, group: int, head_dim: int, block_size: int) -> bool:

@@ -83,7 +83,8 @@ static inline __attribute__((always_inline)) void int4_block(const uint16_t *x, 
         }
         for (int c = 0; c < C; c++) {
             const uint8_t *meta = stream[c] + GROUP * PANEL / 2;
-            __m512 scale = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const void *)meta)), _mm512_set1_ps(16.0f));
+            __m512 scale = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const void *)meta)),
+                                         _mm512_set1_ps(16.0f));
             __m512 low = _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(meta + 2 * PANEL)));
             for (int r = 0; r < R; r++) {
                 __m512 s = _mm512_set1_ps(xsum[r * groups + g]);
@@ -95,9 +96,7 @@ static inline __attribute__((always_inline)) void int4_block(const uint16_t *x, 
     }
     for (int c = 0; c < C; c++) {
         __m512 add = _mm512_setzero_ps();
-        if (bias)
-            add = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)(bias + (first + c) * PANEL))), 16));
+        if (bias) add = (__m512)load16_bf16(bias + (first + c) * PANEL);
         for (int r = 0; r < R; r++)
             _mm256_storeu_si256((void *)(out + r * n + (first + c) * PANEL),
                                 (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(total[r][c], add)));
@@ -141,10 +140,8 @@ void int4_matmul(const uint16_t *x, int64_t x_stride, const uint8_t *packed, con
     for (int64_t i = 0; i < m; i++)
         for (int64_t g = 0; g < groups; g++) {
             const uint16_t *p = x + i * x_stride + g * GROUP;
-            __m512 a = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)p)), 16));
-            __m512 b = _mm512_castsi512_ps(
-                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)(p + 16))), 16));
-            xsum[i * groups + g] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+            __m512 sum = _mm512_add_ps((__m512)load16_bf16(p), (__m512)load16_bf16(p + 16));
+            xsum[i * groups + g] = _mm512_reduce_add_ps(sum);
         }
     if (threads > panels) threads = panels;
     if (threads <= 1 || m * n * k < 64 * PARALLEL_MIN_ELEMENTS) {

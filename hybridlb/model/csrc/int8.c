@@ -86,19 +86,16 @@ static inline __attribute__((always_inline)) void int8_block(const uint8_t *byte
 
 #define T float
 #define SUFFIX f32
-#define LOAD(x) (x)
 #define STORE(x) (x)
-#define LOAD16(p) _mm512_loadu_ps(p)
+#define LOAD16(p) ((__m512)load16_f32(p))
 #include "int8_body.h"
 #undef T
 #undef SUFFIX
-#undef LOAD
 #undef STORE
 #undef LOAD16
 
 #define T uint16_t
 #define SUFFIX bf16
-#define LOAD(x) bf16_to_float(x)
 #define STORE(x) float_to_bf16(x)
-#define LOAD16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)(p))), 16))
+#define LOAD16(p) ((__m512)load16_bf16(p))
 #include "int8_body.h"

@@ -1,4 +1,4 @@
-/* The int8 matmul for one activation dtype: T, LOAD, STORE, LOAD16 (16 T as floats), SUFFIX.
+/* The int8 matmul for one activation dtype: T, STORE, LOAD16 (16 T as floats), SUFFIX.
  * Included by int8.c. */
 
 #define NAME(name) CAT(name, SUFFIX)
