@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -22,13 +23,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+_handed_out: set[int] = set()
+
+
 def free_port_range(count: int) -> int:
-    """A base port with ``count`` consecutive free ports after it (the coordinator's block)."""
-    for _ in range(100):
-        base = free_port()
-        if base + count < 65000 and all(port_is_free(base + i) for i in range(count)):
+    """A base port with ``count`` consecutive free ports after it (the coordinator's block).
+
+    Drawn below the kernel's ephemeral range (Linux: 32768-60999, where ``free_port`` and every
+    outgoing connection get their ports) and above Ray's worker ports (10002-19999): a port the
+    block holds cannot be taken by a connection some process opens before the server binds it."""
+    low, high = 20000, int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(200):
+        base = random.randrange(low, high - count)
+        block = set(range(base, base + count))
+        if not block & _handed_out and all(port_is_free(port) for port in block):
+            _handed_out.update(block)  # not handed out twice in one run, bound or not yet
             return base
-    raise RuntimeError("no free port range")
+    raise RuntimeError(f"no {count} consecutive free ports in {low}..{high}")
 
 
 def port_is_free(port: int) -> bool:

@@ -43,12 +43,21 @@ def _outsiders_cannot_inject_or_listen(head: Server, rpc: int) -> None:
         context.destroy(linger=0)
 
 
-def _exit_code(server: Server, timeout_s: float = 60) -> int:
+def _exit_code(server: Server, head: Server, timeout_s: float = 60) -> int:
     deadline = time.monotonic() + timeout_s
     while server.process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert server.process.poll() is not None, f"the node did not exit:\n{server.output}"
+    assert server.process.poll() is not None, \
+        f"the node did not exit:\n{server.output}\nthe head (running: {head.process.poll() is None}):\n{head.output}"
     return server.process.returncode
+
+
+def _wait_listening(head: Server, port: int, timeout_s: float = 60) -> None:
+    """Until the head listens on ``port`` (its handshake): a node started earlier waits for it."""
+    deadline = time.monotonic() + timeout_s
+    while port not in {p for _, p in listeners(head.process.pid)}:
+        assert head.process.poll() is None and time.monotonic() < deadline, f"the head never listened:\n{head.output}"
+        time.sleep(0.2)
 
 
 def test_only_a_node_with_the_token_joins_and_nothing_listens_beyond_loopback(tiny_qwen3, monkeypatch):
@@ -57,10 +66,11 @@ def test_only_a_node_with_the_token_joins_and_nothing_listens_beyond_loopback(ti
     head = Server(tiny_qwen3, *_dp_flags(2, 1, 0, rpc, "--cluster-token", TOKEN))
     nodes = [head]
     try:
+        _wait_listening(head, rpc)
         for token in ([], ["--cluster-token", "not-" + TOKEN]):
             intruder = Server(tiny_qwen3, *_dp_flags(2, 1, 1, rpc, *token))
             nodes.append(intruder)
-            assert _exit_code(intruder) == 1
+            assert _exit_code(intruder, head) == 1
             assert "refused this node's secure connection: the cluster token differs" in intruder.output, \
                 intruder.output
             assert "serving at" not in intruder.output  # rejected before loading anything
