@@ -137,7 +137,7 @@ void bf16_matmul(const uint16_t *x, int64_t x_stride, const uint16_t *packed, co
     int64_t panels = n / PANEL;
     if (m <= 0) return; /* an expert-parallel dummy step has no rows */
     if (threads > panels) threads = panels;
-    if (threads <= 1 || m * n * k < 64 * PARALLEL_MIN_ELEMENTS) {
+    if (threads <= 1 || MATMUL_SERIAL(m, n, k)) {
         bf16_panels(x, x_stride, packed, bias, out, out_float, m, n, k, 0, panels);
         return;
     }

@@ -115,6 +115,10 @@ static inline float hsum16(f32x16 v) {
  * elements for the row kernels. */
 #define PARALLEL_MIN_WORK 2048
 #define PARALLEL_MIN_ELEMENTS 16384
+/* A matmul stays on one thread only while both its multiply-adds and its weights are few: at a
+ * few rows a matmul streams its weights, and two cores stream them faster than one (SmolLM2 at
+ * batch 1: its QKV, output and down projections, 0.3-0.9 M weights each, were on one thread). */
+#define MATMUL_SERIAL(m, n, k) ((m) * (n) * (k) < 64 * PARALLEL_MIN_ELEMENTS && (n) * (k) < 4 * PARALLEL_MIN_ELEMENTS)
 
 #define CAT_(a, b) a##_##b
 #define CAT(a, b) CAT_(a, b)

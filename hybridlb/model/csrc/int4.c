@@ -144,7 +144,7 @@ void int4_matmul(const uint16_t *x, int64_t x_stride, const uint8_t *packed, con
             xsum[i * groups + g] = _mm512_reduce_add_ps(sum);
         }
     if (threads > panels) threads = panels;
-    if (threads <= 1 || m * n * k < 64 * PARALLEL_MIN_ELEMENTS) {
+    if (threads <= 1 || MATMUL_SERIAL(m, n, k)) {
         int4_panels(x, x_stride, xsum, packed, bias, out, m, n, k, 0, panels);
     } else {
 #pragma omp parallel num_threads(threads)

@@ -75,7 +75,7 @@ void NAME(int8_matmul)(const T *x, int64_t x_stride, const int8_t *packed, const
     float *row_scale = (float *)(bytes + 2 * m * k);
     NAME(split_rows)(x, x_stride, m, k, bytes, row_scale, threads);
     if (threads > panels) threads = panels;
-    if (threads <= 1 || m * n * k < 64 * PARALLEL_MIN_ELEMENTS) {
+    if (threads <= 1 || MATMUL_SERIAL(m, n, k)) {
         NAME(int8_panels)(bytes, row_scale, packed, code_sums, scale, bias, out, m, n, k, 0, panels);
     } else {
 #pragma omp parallel num_threads(threads)
