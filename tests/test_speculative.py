@@ -15,7 +15,7 @@ from hybridlb.config import EngineConfig, SpeculativeConfig
 from hybridlb.engine.block_manager import BlockManager
 from hybridlb.engine.request import Request
 from hybridlb.engine.scheduler import Scheduler
-from hybridlb.engine.speculative import FREE_DRAFT_BATCH, NgramProposer
+from hybridlb.engine.speculative import NgramProposer, StepCost
 from hybridlb.params import SamplingParams
 
 
@@ -106,23 +106,49 @@ def test_a_draft_never_takes_the_block_another_request_needs():
     assert chunks[0].draft == []
 
 
-def test_drafts_that_keep_missing_back_off_in_large_batches():
-    """A request whose drafts are rejected at their first token waits 1, 3, 7 ... decode steps
-    before drafting again when more than FREE_DRAFT_BATCH requests run; below that it always
-    drafts (rows are nearly free); a hit resets it."""
-    proposer = _proposer(k=2, longest=2, shortest=2)
-    request = Request("a", [1, 2, 3, 1, 2], SamplingParams(max_tokens=50), 50, None)
-    big = FREE_DRAFT_BATCH + 1
+def _timed(cost: StepCost, curve, rows: list[int]) -> None:
+    for n in rows:
+        cost.timed(n, curve(n) / 1000)
 
-    def drafts(steps: int, batch: int) -> list[bool]:
-        return [bool(proposer.draft(request, 10, batch)) for _ in range(steps)]
 
-    assert drafts(1, big) == [True]
-    proposer.checked(request, accepted=0)
-    assert drafts(2, big) == [False, True]  # waited 1 step
-    proposer.checked(request, accepted=0)
-    assert drafts(4, big) == [False, False, False, True]  # then 3
-    proposer.checked(request, accepted=0)
-    assert drafts(1, 1) == [True]  # a small batch drafts anyway
-    proposer.checked(request, accepted=1)
-    assert drafts(2, big) == [True, True]
+def _cpu_step_ms(rows: int) -> float:
+    """A decode step here: flat while it streams the weights, ~0.6 ms a row beyond 16 rows."""
+    return 20 + 0.6 * max(rows - 16, 0)
+
+
+def test_the_step_cost_is_learnt_from_decode_steps():
+    """While a step streams the weights its rows are free and any draft pays; where every row
+    costs as much as the rest of the step, a draft token pays only if it surely holds; where
+    the step turns compute-bound, a row costs what the slope above says."""
+    flat, dear, cpu = StepCost(), StepCost(), StepCost()
+    _timed(flat, lambda n: 20.0, [16, 40, 1, 5] * 5)
+    _timed(dear, lambda n: 1.0 * n, [16, 40, 1, 5] * 5)
+    _timed(cpu, _cpu_step_ms, [1, 5, 16, 40, 80] * 5)
+    assert flat.threshold(16) == 0 and flat.threshold(1) == 0
+    assert dear.threshold(16) == pytest.approx(1) and dear.threshold(1) == pytest.approx(1)
+    assert cpu.threshold(1) == 0 and cpu.threshold(16) == pytest.approx(0.6 * 16 / 20, rel=0.05)
+    assert StepCost().threshold(16) == pytest.approx(16 / 46)  # nothing measured yet: the prior
+
+
+def test_drafts_are_as_long_as_they_pay_and_probe_after_misses():
+    """At batch 1 a row is free: a request drafts all k tokens whatever its misses. In a batch of
+    16 whose rows cost 0.6 ms against a 20 ms step, a new request drafts one token, drafts that
+    keep missing shrink to nothing, then one-token probes come after 3, 15, 63 decode steps; hits
+    bring back full drafts."""
+    proposer = _proposer(k=4, longest=2, shortest=2)
+    _timed(proposer.cost, _cpu_step_ms, [1, 5, 16, 40, 80] * 5)
+    request = Request("a", [1, 2, 3, 4, 5, 6, 1, 2], SamplingParams(max_tokens=50), 50, None)
+
+    def drafts(steps: int, batch: int) -> list[int]:
+        return [len(proposer.draft(request, 10, batch)) for _ in range(steps)]
+
+    assert drafts(1, 1) == [4] and drafts(1, 16) == [1]  # a new request: the engine's prior of 1/2
+    proposer.checked(request, drafted=1, accepted=0)
+    assert drafts(4, 16) == [0, 0, 0, 1]  # waited 3 steps, then a one-token probe
+    proposer.checked(request, drafted=1, accepted=0)
+    assert drafts(16, 16) == [0] * 15 + [1]  # then 15
+    proposer.checked(request, drafted=1, accepted=0)
+    assert request.draft_wait == 63 and drafts(1, 1) == [4]  # a batch of one drafts anyway
+    for _ in range(3):
+        proposer.checked(request, drafted=4, accepted=4)
+    assert request.draft_wait == 0 and drafts(1, 16) == [4]  # drafts that hold: full length again

@@ -224,10 +224,14 @@ class EngineCore:
         """Run what ``schedule()`` returned; sample, append, finish. Busy time counts from
         ``started`` (default: now), so work done for the step before it is included."""
         started = time.perf_counter() if started is None else started
+        decoding = self.scheduler.proposer is not None and all(c.request.num_uncomputed == 1 for c in chunks)
         tokens = self.runner.run(chunks)
         self.num_steps += 1
         outputs = self._postprocess(chunks, tokens)
-        self.busy_s += time.perf_counter() - started
+        seconds = time.perf_counter() - started
+        self.busy_s += seconds
+        if decoding and chunks:  # what drafts cost: decode steps' time against their rows
+            self.scheduler.proposer.cost.timed(sum(c.num_tokens for c in chunks), seconds)
         return outputs
 
     def dummy_step(self, started: float) -> None:
@@ -254,7 +258,7 @@ class EngineCore:
         drafted = [e for e in emitted if e.chunk.draft]
         self._verify_drafts(drafted)
         for e in drafted:
-            self.scheduler.proposer.checked(e.chunk.request, len(e.tokens) - 1)
+            self.scheduler.proposer.checked(e.chunk.request, len(e.chunk.draft), len(e.tokens) - 1)
         outputs = []
         for e in emitted:
             request = e.chunk.request

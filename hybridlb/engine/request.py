@@ -65,8 +65,11 @@ class Request:
         self.opening = params.constraint is not None and bool(params.constraint.after and params.constraint.opener)
         # Tokens masked until min_tokens are out (eos and stop_token_ids), set by the engine.
         self.min_tokens_banned: list[int] = []
-        # Speculative decoding: drafts in a row whose first token was rejected, and decode steps
-        # to go before the next draft (see NgramProposer.checked).
+        # Speculative decoding (see NgramProposer): decayed counts of draft tokens accepted and of
+        # drafts cut by a rejection, probes in a row missed at their first token, and decode steps
+        # to go before the next probe.
+        self.draft_hits = 0.0
+        self.draft_rejects = 0.0
         self.draft_misses = 0
         self.draft_wait = 0
         # LoRA: the engine slot holding this request's adapter while it runs (-1: the base

@@ -13,15 +13,19 @@ else keep what was sampled" is standard rejection sampling, so greedy and sample
 are distributed exactly as without speculation (seeded requests draw the same noise per
 output token and so produce the same tokens).
 
-A rejected draft still cost its rows, which is nothing at small batches (a step streams the
-weights whatever its rows) and most of a step at large ones. So a request whose draft is
-rejected at its first token waits before drafting again, 1, 3, 7 ... up to MAX_WAIT decode
-steps as misses repeat, while more than FREE_DRAFT_BATCH requests run; one accepted token
-resets it.
+A rejected draft still cost its rows: nothing at small batches (a step streams the weights
+whatever its rows), most of a step at large ones. So each draft is as long as it pays
+(``NgramProposer.length``): a draft token at position j holds with probability q**j, where q is the
+request's recent per-token acceptance (decayed counts, drawn towards the engine's own rate);
+it is worth its row while q**j is at least what a row costs against a token's share of the
+step at this batch size, both measured on the engine's own decode steps (``StepCost``). A request whose estimate allows
+no draft probes with one token after waiting 3, 15, 63 ... decode steps as probes miss; a
+hit resets the wait and raises the estimate.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,10 +36,46 @@ from hybridlb.engine.request import Request
 
 LOOKBACK = 4096  # tokens searched for a match (the most recent ones)
 MAX_WAIT = 64  # most decode steps a request whose drafts keep failing goes without drafting
-# Up to this many running requests, every decode drafts whatever its misses: a step of SmolLM2 at
-# batch 1 took 27.2 ms with one row and 28.4 ms with five (bfloat16, this machine), but at batch 16
-# drafts that all failed made steps 2.4x longer.
-FREE_DRAFT_BATCH = 4
+REQUEST_DECAY = 0.7  # a request's acceptance counts: about its last three drafts
+ENGINE_DECAY = 0.99  # the engine's: about its last hundred
+PRIOR_WEIGHT = 1.0  # drafts' worth of the engine's rate in a request's estimate
+STEP_DECAY = 0.95  # the step-time curve: about the last twenty decode steps of each size
+STEP_SAMPLES = 3  # decode steps of a size before its time counts
+PRIOR_STEP_ROWS = 30  # until measured: a decode row costs 1/30 of a step's fixed part (SmolLM2
+# bfloat16 here: a step of 16 decodes ~22 ms, each further row ~0.6 ms)
+
+
+class StepCost:
+    """What a decode row costs, from the engine's own decode steps: decayed mean seconds and
+    rows per size class (rows 1, 2-3, 4-7, 8-15, ...); the cost of a row at a batch size is the
+    slope from its class to the nearest other class measured (a step is flat in rows while it
+    streams the weights, and grows in them once it turns compute-bound)."""
+
+    def __init__(self) -> None:
+        self.classes: dict[int, list[float]] = {}  # rows.bit_length() → [weight, rows, seconds]
+
+    def timed(self, rows: int, seconds: float) -> None:
+        weight, total_rows, total_s = self.classes.get(rows.bit_length(), (0.0, 0.0, 0.0))
+        self.classes[rows.bit_length()] = [STEP_DECAY * weight + 1, STEP_DECAY * total_rows + rows,
+                                           STEP_DECAY * total_s + seconds]
+
+    def _mean(self, size_class: int) -> tuple[float, float] | None:
+        weight, rows, seconds = self.classes.get(size_class, (0.0, 0.0, 0.0))
+        return (rows / weight, seconds / weight) if weight >= STEP_SAMPLES else None
+
+    def threshold(self, batch: int) -> float:
+        """The acceptance probability at which a draft row pays in a step of ``batch`` decodes:
+        a row's cost over a token's share of the step."""
+        here = self._mean(batch.bit_length())
+        others = [(abs(c - batch.bit_length()), c > batch.bit_length(), mean) for c in self.classes
+                  if c != batch.bit_length() and (mean := self._mean(c))]
+        if here is None or not others:
+            return batch / (PRIOR_STEP_ROWS + batch)
+        _, _, there = min(others, key=lambda o: (o[0], not o[1]))  # nearest; above before below
+        (x0, y0), (x1, y1) = sorted([here, there])
+        per_row = max((y1 - y0) / (x1 - x0), 0.0) if x1 > x0 else 0.0
+        step = here[1] + per_row * (batch - here[0])
+        return min(per_row * batch / step, 1.0) if step > 0 else 1.0
 
 
 class NgramProposer:
@@ -43,23 +83,48 @@ class NgramProposer:
         self.k = config.num_speculative_tokens
         self.longest = config.prompt_lookup_max
         self.shortest = config.prompt_lookup_min
+        self.cost = StepCost()
+        self.hits, self.misses = 1.0, 1.0  # the engine's decayed acceptance counts (a prior of 1/2)
+
+    def acceptance(self, request: Request) -> float:
+        """The chance that a draft token of ``request`` holds, given that the ones before it did."""
+        prior = self.hits / (self.hits + self.misses)
+        return (request.draft_hits + PRIOR_WEIGHT * prior) / (request.draft_hits + request.draft_rejects
+                                                              + PRIOR_WEIGHT)
+
+    def length(self, request: Request, batch: int) -> int:
+        """How many draft tokens pay for their rows in a step of ``batch`` running requests."""
+        q, threshold = self.acceptance(request), self.cost.threshold(batch)
+        if q >= 1.0 or threshold <= 0.0:
+            return self.k
+        if q <= threshold:
+            return 0
+        return min(self.k, int(math.log(threshold) / math.log(q)))
 
     def draft(self, request: Request, most: int, batch: int) -> list[int]:
-        """The request's draft this step, unless it is backing off after missed drafts in a batch of
-        ``batch`` running requests."""
-        if request.draft_wait:
-            request.draft_wait -= 1
-            if batch > FREE_DRAFT_BATCH:
+        """The request's draft this step among ``batch`` running requests: as long as pays, or a
+        one-token probe once a request that drafts nothing has waited out its back-off."""
+        length = self.length(request, batch)
+        if not length:
+            if request.draft_wait:
+                request.draft_wait -= 1
                 return []
-        return self.propose(request.token_ids, most)
+            length = 1
+        return self.propose(request.token_ids, min(most, length))
 
-    def checked(self, request: Request, accepted: int) -> None:
-        """After a draft of ``request`` was checked: back off after a miss, reset after a hit."""
+    def checked(self, request: Request, drafted: int, accepted: int) -> None:
+        """After ``accepted`` of ``drafted`` draft tokens held: update the estimates; back off
+        after a miss at the first token, reset after a hit."""
+        rejected = float(accepted < drafted)
+        request.draft_hits = REQUEST_DECAY * request.draft_hits + accepted
+        request.draft_rejects = REQUEST_DECAY * request.draft_rejects + rejected
+        self.hits = ENGINE_DECAY * self.hits + accepted
+        self.misses = ENGINE_DECAY * self.misses + rejected
         if accepted:
             request.draft_misses = request.draft_wait = 0
             return
         request.draft_misses += 1
-        request.draft_wait = min(2**request.draft_misses - 1, MAX_WAIT)
+        request.draft_wait = min(4**request.draft_misses - 1, MAX_WAIT)
 
     def propose(self, token_ids: list[int], most: int) -> list[int]:
         """Up to ``min(k, most)`` tokens that followed the latest earlier occurrence of the
