@@ -274,22 +274,41 @@ BF16_MATMUL = pytest.mark.skipif(K is None or not K.bf16_matmul_supported,
                                  reason="bf16.c's matmul needs a CPU with AVX-512 BF16")
 
 
+TILES = K is not None and K.bf16_matmul_supported and K.use_tiles(1)
+if K is not None:
+    K.use_tiles(kernels.AMX_MIN_ROWS)
+
+
+@pytest.fixture(params=["vdpbf16ps", "tiles"])
+def matmul_path(request):
+    """bf16.c's matmul on vdpbf16ps at every row count, or on AMX tiles at every row count."""
+    if request.param == "tiles" and not TILES:
+        pytest.skip("bf16.c's tiles need a CPU with AMX (Intel Sapphire Rapids or later) and Linux 5.16+")
+    K.use_tiles(1 if request.param == "tiles" else 0)
+    yield request.param
+    K.use_tiles(kernels.AMX_MIN_ROWS)
+
+
 @BF16_MATMUL
 @pytest.mark.parametrize("threads", [1, 2])
-def test_bf16_matmul_matches_float32_up_to_the_outputs_rounding(threads):
-    """No rows, every row count from 1 to 14 (one to three row groups over each panel group), 40 rows (a
-    prefill), 5 panels of 16 columns (a group of 4 and a group of 1, split unevenly over two
-    threads), inputs that are a slice of a wider tensor, with and without a bias. The products
-    are exact and summed in float32, so each output is float32's x @ w^T + bias rounded once to
-    bfloat16: within half a bfloat16 step (at most 2^-8 of it), plus float32's summation order."""
-    weight, bias = torch.randn(80, 128).bfloat16(), torch.randn(80).bfloat16()
+@pytest.mark.parametrize("k", [128, 80])
+def test_bf16_matmul_matches_float32_up_to_the_outputs_rounding(threads, k, matmul_path):
+    """No rows, every row count from 1 to 17 (one to three row groups over each panel group; one
+    block of 16 rows and a tail on tiles), 32, 33, 40 and 64 rows (prefills: two blocks of 16
+    at once, and a tail), 5 panels of 16 columns (a group of 4 and a group of 1, split unevenly
+    over two threads), inputs that are a slice of a wider tensor, with and without a bias; an
+    input width tiles take (128: 32-deep steps) and one they leave to vdpbf16ps (80). The
+    products are exact and summed in float32, so each output is float32's x @ w^T + bias
+    rounded once to bfloat16: within half a bfloat16 step (at most 2^-8 of it), plus float32's
+    summation order."""
+    weight, bias = torch.randn(80, k).bfloat16(), torch.randn(80).bfloat16()
     packed = K.bf16_pack(weight)
-    wide = torch.randn(40, 140).bfloat16()
+    wide = torch.randn(64, k + 12).bfloat16()
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for rows in [0, *range(1, 15), 40]:  # 0: an expert-parallel dummy step
-            x = wide[:rows, 7:135]  # rows 140 apart
+        for rows in [0, *range(1, 18), 32, 33, 40, 64]:  # 0: an expert-parallel dummy step
+            x = wide[:rows, 7:k + 7]  # rows k + 12 apart
             for b in (bias, None):
                 want = x.float() @ weight.float().T + (0 if b is None else b.float())
                 got = K.bf16_matmul(x, packed, b, 80)
