@@ -207,11 +207,12 @@ INT4_MATMUL = pytest.mark.skipif(K is None or not K.int4_matmul_supported,
 @INT4_MATMUL
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("n, k", [(64, 128), (48, 96)])
-def test_int4_matmul_matches_the_weight_its_codes_stand_for(threads, n, k):
+def test_int4_matmul_matches_the_weight_its_codes_stand_for(threads, n, k, matmul_path):
     """GGUF Q4_1-style groups (float16 scale and low, codes 0..15) packed into int4.c's blocks and back
-    unchanged; rows 1 to 9, 40 and 300, strided inputs, a bias, 4 or 3 panels (an odd one alone);
-    against x @ (scale * code + low)^T in float32, within the output's bfloat16 rounding and float32
-    summation."""
+    unchanged; rows 1 to 9, 16, 17, 40 and 300, strided inputs, a bias, 4 or 3 panels (an odd one
+    alone); against x @ (scale * code + low)^T in float32 (on tiles: the weights rounded once to
+    bfloat16, as a dequantizing engine holds them), within the output's bfloat16 rounding and
+    float32 summation."""
     from hybridlb.model.quantized import int4_groups
 
     codes, scale, low = int4_groups(torch.randn(n, k))
@@ -225,9 +226,10 @@ def test_int4_matmul_matches_the_weight_its_codes_stand_for(threads, n, k):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for rows in [*range(1, 10), 40, 300]:
+        weight = dense.bfloat16().float() if matmul_path == "tiles" else dense
+        for rows in [*range(1, 10), 16, 17, 40, 300]:
             x = wide[:rows, 5 : 5 + k]
-            want = x.float() @ dense.T + bias.float()
+            want = x.float() @ weight.T + bias.float()
             got = K.int4_matmul(x, blocks, bias)
             assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
             bound = want.abs() * 2**-8 + (x.float().abs() @ dense.abs().T) * 1e-5 + 1e-5

@@ -21,23 +21,20 @@
  * AVX-512 BF16 the functions exist but bf16_matmul_supported() is 0 and kernels.py keeps
  * oneDNN. n must be a multiple of 16 and k even (kernels.py checks).
  *
- * With AMX (Intel Sapphire Rapids and later), the same layout is what tdpbf16ps reads: 16
- * pairs of a panel (1 KB, contiguous) are one B tile of 16 rows x 16 columns x 2. From
- * amx_min_rows rows up (bf16_amx_enable), and where k is a multiple of 32, the matmul runs on
- * tiles instead: 2 panels x 2 blocks of 16 rows at once in 4 float32 accumulator tiles, each
- * 32-deep step one tile load per panel and row block and 4 tdpbf16ps, about 8x vdpbf16ps's
- * multiply rate (the same exact products, summed in float32, in another order). */
+ * With AMX (Intel Sapphire Rapids and later) the same layout is what tdpbf16ps reads (amx.h):
+ * from hybridlb_amx_min_rows rows up (bf16_amx_enable), and where k is a multiple of 32, the
+ * matmul runs on tiles instead, ~8x vdpbf16ps's multiply rate. */
 
 #include "common.h"
 #include <omp.h>
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define BF16_DOT 1
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#endif
+#include "amx.h"
+#ifdef AMX_TILES
 #include <sys/syscall.h>
 #include <unistd.h>
-#define BF16_AMX 1
-#endif
 #endif
 
 #define PANEL 16    /* output columns per panel */
@@ -140,118 +137,31 @@ static void bf16_panels(const uint16_t *x, int64_t x_stride, const uint16_t *pac
 #undef BLOCK
 #endif
 
-static int64_t amx_min_rows = 0; /* 0: tiles off */
+int64_t hybridlb_amx_min_rows = 0;
 
 /* Use AMX tiles from min_rows rows up (0: never); asks Linux (5.16+) for the tile state once,
  * for the whole process. Returns whether tiles are in use. */
 int64_t bf16_amx_enable(int64_t min_rows) {
-#ifdef BF16_AMX
+#ifdef AMX_TILES
     static int granted = -1;
     if (granted < 0) granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-    amx_min_rows = granted ? min_rows : 0;
+    hybridlb_amx_min_rows = granted ? min_rows : 0;
 #else
     (void)min_rows;
 #endif
-    return amx_min_rows > 0;
+    return hybridlb_amx_min_rows > 0;
 }
 
-#ifdef BF16_AMX
-struct tile_config {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
-/* Tiles 0-3: float32 sums [row block][panel]; 4-5: x's row blocks (rows x 32 inputs); 6-7: the
- * panels' next 16 pairs. */
-static void amx_configure(int rows) {
-    struct tile_config config;
-    memset(&config, 0, sizeof config);
-    config.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        config.colsb[t] = 64;
-        config.rows[t] = t < 6 ? rows : 16;
-    }
-    _tile_loadconfig(&config);
-}
-
-/* Rows [r0, r0 + RB * 16) (or the configured tail) times panels [panel, panel + PB). */
-static inline __attribute__((always_inline)) void amx_block(const uint16_t *x, int64_t x_stride,
-                                                            const uint16_t *packed, const uint16_t *bias,
-                                                            void *out, int64_t out_float, int64_t n, int64_t k,
-                                                            int64_t r0, int64_t rows, int64_t panel, const int RB,
-                                                            const int PB) {
-    const char *a = (const char *)(x + r0 * x_stride);
-    const char *b = (const char *)(packed + panel * k * PANEL);
-    int64_t a_stride = x_stride * 2, a_next = 16 * a_stride, b_next = k * PANEL * 2;
-    _tile_zero(0);
-    if (PB > 1) _tile_zero(1);
-    if (RB > 1) _tile_zero(2);
-    if (RB > 1 && PB > 1) _tile_zero(3);
-    for (int64_t kk = 0; kk < k; kk += 32) {
-        _tile_loadd(4, a + kk * 2, a_stride);
-        _tile_loadd(6, b + kk * 32, 64);
-        if (PB > 1) _tile_loadd(7, b + b_next + kk * 32, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        if (PB > 1) _tile_dpbf16ps(1, 4, 7);
-        if (RB > 1) {
-            _tile_loadd(5, a + a_next + kk * 2, a_stride);
-            _tile_dpbf16ps(2, 5, 6);
-            if (PB > 1) _tile_dpbf16ps(3, 5, 7);
-        }
-    }
-    float sums[4][16][16];
-    _tile_stored(0, sums[0], 64);
-    if (PB > 1) _tile_stored(1, sums[1], 64);
-    if (RB > 1) _tile_stored(2, sums[2], 64);
-    if (RB > 1 && PB > 1) _tile_stored(3, sums[3], 64);
-    for (int c = 0; c < PB; c++) {
-        __m512 add = _mm512_setzero_ps();
-        if (bias) {
-            __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)(bias + (panel + c) * PANEL)));
-            add = _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-        }
-        for (int rb = 0; rb < RB; rb++)
-            for (int64_t r = 0; r < rows; r++) {
-                __m512 value = _mm512_add_ps(_mm512_loadu_ps(sums[rb * 2 + c][r]), add);
-                int64_t at = (r0 + rb * 16 + r) * n + (panel + c) * PANEL;
-                if (out_float)
-                    _mm512_storeu_ps((float *)out + at, value);
-                else
-                    _mm256_storeu_si256((void *)((uint16_t *)out + at), (__m256i)_mm512_cvtneps_pbh(value));
-            }
-    }
-}
-
-#define AMX(RB, PB) amx_block(x, x_stride, packed, bias, out, out_float, n, k, r0, rows, p, RB, PB)
-
-/* Panels [begin, end) for all m rows on tiles: blocks of 16 rows two at a time, then the rest. */
+#ifdef AMX_TILES
+/* Panels [begin, end) for all m rows on tiles, two panels at a time (amx.h). */
 static void amx_panels(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *bias,
                        void *out, int64_t out_float, int64_t m, int64_t n, int64_t k, int64_t begin, int64_t end) {
-    int64_t blocks = m / 16, rows = 16;
-    if (blocks) {
-        amx_configure(16);
-        for (int64_t p = begin; p < end; p += 2)
-            for (int64_t r0 = 0; r0 < blocks * 16; r0 += 32) {
-                int two_blocks = blocks * 16 - r0 >= 32, two_panels = end - p >= 2;
-                if (two_blocks && two_panels) AMX(2, 2);
-                else if (two_blocks) AMX(2, 1);
-                else if (two_panels) AMX(1, 2);
-                else AMX(1, 1);
-            }
-    }
-    if (m % 16) {
-        int64_t r0 = blocks * 16;
-        rows = m % 16;
-        amx_configure((int)rows);
-        for (int64_t p = begin; p < end; p += 2) {
-            if (end - p >= 2) AMX(1, 2);
-            else AMX(1, 1);
-        }
-    }
+    int configured = 0;
+    for (int64_t p = begin; p < end; p += 2)
+        amx_rows(x, x_stride, (const char *)(packed + p * k * PANEL), k * PANEL * 2, bias ? bias + p * PANEL : NULL,
+                 out, out_float, m, n, k, p * PANEL, end - p >= 2 ? 2 : 1, &configured);
     _tile_release();
 }
-#undef AMX
 #endif
 
 /* out [m, n] contiguous = x [m, k] (rows x_stride apart) @ w^T + bias (bias may be NULL), w packed
@@ -265,8 +175,8 @@ void bf16_matmul(const uint16_t *x, int64_t x_stride, const uint16_t *packed, co
     if (threads > panels) threads = panels;
     void (*run)(const uint16_t *, int64_t, const uint16_t *, const uint16_t *, void *, int64_t, int64_t, int64_t,
                 int64_t, int64_t, int64_t) = bf16_panels;
-#ifdef BF16_AMX
-    if (amx_min_rows && m >= amx_min_rows && k % 32 == 0) run = amx_panels;
+#ifdef AMX_TILES
+    if (hybridlb_amx_min_rows && m >= hybridlb_amx_min_rows && k % 32 == 0) run = amx_panels;
 #endif
     if (threads <= 1 || MATMUL_SERIAL(m, n, k)) {
         run(x, x_stride, packed, bias, out, out_float, m, n, k, 0, panels);

@@ -19,9 +19,15 @@
  * go against up to ROWS input rows at once; more rows go round again over the same panels (then
  * in L2); the panels are split over torch's OpenMP pool. One rounding per output element.
  *
+ * With AMX tiles (amx.h) in use, from hybridlb_amx_min_rows rows up each thread turns a pair of
+ * panels at a time into bfloat16 weights scale * code + low (one rounding, as a dequantizing
+ * engine's weights) in bf16.c's layout, in a buffer that stays in L2, and multiplies all the
+ * rows with them on tiles: the codes are still read once, and the multiplies run at tile rate.
+ *
  * Without AVX-512 BF16 int4_matmul_supported() is 0 and quantized.py keeps torch's 4-bit kernel.
  * n must be a multiple of 16 and k of 32 (kernels.py checks). */
 
+#include "amx.h"
 #include "common.h"
 #include <omp.h>
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__F16C__)
@@ -128,6 +134,53 @@ static void int4_panels(const uint16_t *x, int64_t x_stride, const float *xsum, 
 #undef BLOCK
 #endif
 
+#if defined(INT4_DOT) && defined(AMX_TILES)
+/* One panel's weights scale * code + low, rounded once to bfloat16, in bf16.c's layout
+ * to[pair][column][2] over all k inputs. */
+static void int4_dequantize(const uint8_t *stream, uint16_t *to, int64_t k) {
+    const __m512i lower = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i upper = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
+    const __m512 sixteen = _mm512_set1_ps(16.0f);
+    for (int64_t g = 0; g < k / GROUP; g++, stream += BLOCK_BYTES) {
+        const uint8_t *meta = stream + GROUP * PANEL / 2;
+        __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const void *)meta));
+        __m512 low = _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(meta + 2 * PANEL)));
+        /* a plane's 32 lanes are (column, e) pairs: float lanes 0-15 are columns 0-7, 16-31 columns 8-15 */
+        __m512 scale0 = _mm512_permutexvar_ps(lower, scale), scale1 = _mm512_permutexvar_ps(upper, scale);
+        __m512 low0 = _mm512_permutexvar_ps(lower, low), low1 = _mm512_permutexvar_ps(upper, low);
+        for (int line = 0; line < 4; line++) {
+            __m512i words = _mm512_loadu_si512(stream + 64 * line);
+            for (int j = 0; j < 4; j++) {
+                __m512i v = (__m512i)plane(words, j); /* 1 + code / 16 */
+                __m512 v0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
+                __m512 v1 = _mm512_castsi512_ps(
+                    _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
+                __m512 w0 = _mm512_fmadd_ps(scale0, _mm512_fmsub_ps(v0, sixteen, sixteen), low0);
+                __m512 w1 = _mm512_fmadd_ps(scale1, _mm512_fmsub_ps(v1, sixteen, sixteen), low1);
+                _mm512_storeu_si512(to + (g * 16 + 4 * line + j) * PANEL * 2, (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
+            }
+        }
+    }
+}
+
+/* Panels [begin, end) for all m rows: two panels at a time into bfloat16, then tiles (amx.h). */
+static void int4_tiles(const uint16_t *x, int64_t x_stride, const uint8_t *packed, const uint16_t *bias,
+                       uint16_t *out, int64_t m, int64_t n, int64_t k, int64_t begin, int64_t end) {
+    int64_t groups = k / GROUP, panel_elements = k * PANEL;
+    uint16_t *weights = aligned_alloc(64, sizeof(uint16_t) * 2 * panel_elements);
+    int configured = 0;
+    for (int64_t p = begin; p < end; p += 2) {
+        int panels = end - p >= 2 ? 2 : 1;
+        for (int c = 0; c < panels; c++)
+            int4_dequantize(packed + (p + c) * groups * BLOCK_BYTES, weights + c * panel_elements, k);
+        amx_rows(x, x_stride, (const char *)weights, panel_elements * 2, bias ? bias + p * PANEL : NULL, out, 0, m,
+                 n, k, p * PANEL, panels, &configured);
+    }
+    _tile_release();
+    free(weights);
+}
+#endif
+
 /* out [m, n] bfloat16 (contiguous) = x [m, k] bfloat16 (rows x_stride apart) @ w^T + bias (may be
  * NULL), w packed as above. Does nothing where int4_matmul_supported() is 0. */
 void int4_matmul(const uint16_t *x, int64_t x_stride, const uint8_t *packed, const uint16_t *bias, uint16_t *out,
@@ -135,6 +188,21 @@ void int4_matmul(const uint16_t *x, int64_t x_stride, const uint8_t *packed, con
 #ifdef INT4_DOT
     int64_t panels = n / PANEL, groups = k / GROUP;
     if (m <= 0) return;
+    if (threads > panels) threads = panels;
+#ifdef AMX_TILES
+    if (hybridlb_amx_min_rows && m >= hybridlb_amx_min_rows) {
+        if (threads <= 1 || MATMUL_SERIAL(m, n, k)) {
+            int4_tiles(x, x_stride, packed, bias, out, m, n, k, 0, panels);
+            return;
+        }
+#pragma omp parallel num_threads(threads)
+        {
+            int64_t t = omp_get_thread_num(), parts = omp_get_num_threads();
+            int4_tiles(x, x_stride, packed, bias, out, m, n, k, panels * t / parts, panels * (t + 1) / parts);
+        }
+        return;
+    }
+#endif
     float *xsum = malloc(sizeof(float) * m * groups);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && m * k >= 4 * PARALLEL_MIN_ELEMENTS)
     for (int64_t i = 0; i < m; i++)
@@ -143,7 +211,6 @@ void int4_matmul(const uint16_t *x, int64_t x_stride, const uint8_t *packed, con
             __m512 sum = _mm512_add_ps((__m512)load16_bf16(p), (__m512)load16_bf16(p + 16));
             xsum[i * groups + g] = _mm512_reduce_add_ps(sum);
         }
-    if (threads > panels) threads = panels;
     if (threads <= 1 || MATMUL_SERIAL(m, n, k)) {
         int4_panels(x, x_stride, xsum, packed, bias, out, m, n, k, 0, panels);
     } else {
