@@ -228,8 +228,7 @@ class EngineCore:
         tokens = self.runner.run(chunks)
         self.num_steps += 1
         outputs = self._postprocess(chunks, tokens)
-        seconds = time.perf_counter() - started
-        self.busy_s += seconds
+        self.busy_s += (seconds := time.perf_counter() - started)
         if decoding and chunks:  # what drafts cost: decode steps' time against their rows
             self.scheduler.proposer.cost.timed(sum(c.num_tokens for c in chunks), seconds)
         return outputs

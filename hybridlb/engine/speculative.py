@@ -15,12 +15,12 @@ output token and so produce the same tokens).
 
 A rejected draft still cost its rows: nothing at small batches (a step streams the weights
 whatever its rows), most of a step at large ones. So each draft is as long as it pays
-(``NgramProposer.length``): a draft token at position j holds with probability q**j, where q is the
-request's recent per-token acceptance (decayed counts, drawn towards the engine's own rate);
-it is worth its row while q**j is at least what a row costs against a token's share of the
-step at this batch size, both measured on the engine's own decode steps (``StepCost``). A request whose estimate allows
-no draft probes with one token after waiting 3, 15, 63 ... decode steps as probes miss; a
-hit resets the wait and raises the estimate.
+(``NgramProposer.length``): a draft token at position j holds with probability q**j, where q
+is the request's recent per-token acceptance (decayed counts, drawn towards the engine's own
+rate); it is worth its row while q**j is at least what a row costs against a token's share
+of the step at this batch size, both measured on the engine's own decode steps
+(``StepCost``). A request whose estimate allows no draft probes with one token after waiting
+3, 15, 63 ... decode steps as probes miss; a hit resets the wait and raises the estimate.
 """
 
 from __future__ import annotations

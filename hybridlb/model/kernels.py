@@ -52,7 +52,7 @@ PANEL = 16  # bf16.c, int8.c and int4.c's PANEL: output columns per panel (outpu
 BF16_ONLY = {"bf16_pack": [_P, _P, _I, _I, _I], "bf16_matmul": [_P, _I, _P, _P, _P, _I, _I, _I, _I, _I],
              "int4_matmul": [_P, _I, _P, _P, _P, _I, _I, _I, _I]}
 INT4_GROUP = 32  # int4.c's GROUP: inputs per scale and low (input sizes are multiples of this)
-AMX_MIN_ROWS = 4  # bf16.c's matmul on AMX tiles from this many rows up (where the CPU has AMX)
+AMX_MIN_ROWS = 4  # bf16.c's and int4.c's matmuls on AMX tiles from this many rows up (where the CPU has AMX)
 
 
 class CPUKernels:
@@ -81,12 +81,12 @@ class CPUKernels:
         self.int8_matmul_supported = bool(library.int8_matmul_supported())
         # int4.c's (bfloat16 activations) needs AVX-512 BF16; without it 4-bit layers run on torch's kernel.
         self.int4_matmul_supported = bool(library.int4_matmul_supported())
-        # With AMX, bf16.c's matmul runs on tiles from AMX_MIN_ROWS rows up (see bf16.c).
-        self.bf16_tiles = self.use_tiles(AMX_MIN_ROWS)
+        # With AMX, bf16.c's and int4.c's matmuls run on tiles from AMX_MIN_ROWS rows up (see amx.h).
+        self.use_tiles(AMX_MIN_ROWS)
 
     def use_tiles(self, min_rows: int) -> bool:
-        """bf16.c's matmul on AMX tiles from ``min_rows`` rows up (0: never), where the CPU has
-        AMX and Linux grants it; whether tiles are in use. For the whole process."""
+        """bf16.c's and int4.c's matmuls on AMX tiles from ``min_rows`` rows up (0: never), where the
+        CPU has AMX and Linux grants it; whether tiles are in use. For the whole process."""
         return bool(self._library.bf16_amx_enable(min_rows))
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
