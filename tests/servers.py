@@ -18,20 +18,20 @@ from hybridlb.lifecycle import die_with_parent
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port for a server a test starts: one of ``free_port_range``'s blocks of one."""
+    return free_port_range(1)
 
 
 _handed_out: set[int] = set()
 
 
 def free_port_range(count: int) -> int:
-    """A base port with ``count`` consecutive free ports after it (the coordinator's block).
+    """A base port with ``count`` consecutive free ports after it (a coordinator's block, a server's port).
 
-    Drawn below the kernel's ephemeral range (Linux: 32768-60999, where ``free_port`` and every
-    outgoing connection get their ports) and above Ray's worker ports (10002-19999): a port the
-    block holds cannot be taken by a connection some process opens before the server binds it."""
+    Drawn below the kernel's ephemeral range (Linux: 32768-60999, where every outgoing connection and
+    every bind to port 0 get their ports) and above Ray's worker ports (10002-19999): a port handed
+    out cannot be taken by a connection some process (a Ray worker, another server) opens before
+    the server binds it, and is never handed out twice in one run."""
     low, high = 20000, int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     for _ in range(200):
         base = random.randrange(low, high - count)

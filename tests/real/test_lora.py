@@ -145,6 +145,11 @@ def _rank_stats(url: str) -> dict[int, dict]:
     return {engine["rank"]: engine for engine in httpx.get(f"{url}/ranks").json()["engines"]}
 
 
+def _served(metrics: str, rank: int) -> float:
+    return sum(float(v) for v in re.findall(rf'^vllm:request_success_total{{[^}}]*engine="{rank}"[^}}]*}} (\S+)$',
+                                             metrics, re.M))
+
+
 @pytest.mark.slow
 def test_dp2_routes_each_adapter_to_the_rank_holding_it(smollm2_hf_dir, adapters):
     modules = [f"{name}={path}" for name, path in adapters.items()]
@@ -156,6 +161,8 @@ def test_dp2_routes_each_adapter_to_the_rank_holding_it(smollm2_hf_dir, adapters
         for name in ADAPTERS:  # warm-up: each adapter finds a rank
             _complete(url, name, PROMPTS[0])
         before = _rank_stats(url)
+        text = httpx.get(f"{url}/metrics").text
+        before_served = [_served(text, rank) for rank in (0, 1)]
         jobs = [(name, rng.choice(PROMPTS)) for name in ADAPTERS for _ in range(12)]
         rng.shuffle(jobs)
         with ThreadPoolExecutor(8) as pool:
@@ -170,7 +177,9 @@ def test_dp2_routes_each_adapter_to_the_rank_holding_it(smollm2_hf_dir, adapters
     assert sorted(warm.values()) == [2, 2]  # the four adapters spread over the two ranks' slots
     misses = sum(loads.values()) - 4  # loads after the four first ones: requests sent to a rank without it
     assert misses <= 0.1 * len(jobs), (loads, before, after)
-    busy = [after[rank]["busy_s"] - before[rank]["busy_s"] for rank in (0, 1)]
-    assert max(busy) <= 1.3 * min(busy), busy
+    # Balanced: each rank holds two adapters and serves about half the requests (routing, not wall
+    # times: a ratio of busy seconds is noise on a loaded 2-core machine).
+    served = [_served(metrics, rank) - before_served[rank] for rank in (0, 1)]
+    assert min(served) >= 0.35 * len(jobs), served
     for rank in (0, 1):  # vLLM's lora_requests_info, one series per rank
         assert re.search(rf'vllm:lora_requests_info\{{[^}}]*engine="{rank}"[^}}]*max_lora="2"', metrics), metrics
