@@ -96,6 +96,11 @@ class ClusterPlan:
     def engine_port(self, rank: int) -> int:
         return self.rpc_port + ENGINE_PORT_OFFSET + rank
 
+    def named_ports(self) -> frozenset[int]:
+        """Every port this plan names (the rpc block, engines', API servers', supervisors')."""
+        api = {p for node in self.nodes for p in (node.supervisor_port, *(a.port for a in node.api_servers)) if p}
+        return frozenset(range(self.rpc_port, self.rpc_port + ENGINE_PORT_OFFSET + self.size)) | api
+
 
 def _api_server_count(config: Config, local_engines: int) -> int:
     wanted = config.lb.api_servers_per_node

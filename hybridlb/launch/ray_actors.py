@@ -42,18 +42,49 @@ def remove_runtime_dir(cluster: str) -> None:
 
 
 @ray.remote(num_cpus=0)
-def free_ports(count: int, host: str | None = None) -> tuple[str, list[int]]:
+def free_ports(count: int, host: str | None = None, avoid: frozenset[int] = frozenset()) -> tuple[str, list[int]]:
     """``host`` (default: this node's IP) and ``count`` ports free on it now (the coordinator's,
-    fixed before it starts so that a restarted coordinator binds the same addresses its peers know)."""
+    fixed before it starts so that a restarted coordinator binds the same addresses its peers know).
+
+    Drawn below the kernel's ephemeral range (where every outgoing connection of the node's Ray
+    processes takes its port) and above Ray's worker ports, so none of them is taken between this
+    draw and the coordinator's bind; the ephemeral range only where that band is full. ``avoid``:
+    ports the plan names (API servers', engines'), free now but bound later by their owners."""
     ip = host or _node_ip()
-    sockets = [socket.socket() for _ in range(count)]
+    sockets: list[socket.socket] = []
     try:
-        for s in sockets:
-            s.bind((ip, 0))
+        for port in _outside_ephemeral_range():
+            if port in avoid:
+                continue
+            s = socket.socket()
+            try:
+                s.bind((ip, port))
+            except OSError:
+                s.close()
+                continue
+            sockets.append(s)
+            if len(sockets) == count:
+                break
+        while len(sockets) < count:
+            sockets.append(socket.socket())
+            sockets[-1].bind((ip, 0))
         return ip, [s.getsockname()[1] for s in sockets]
     finally:
         for s in sockets:
             s.close()
+
+
+def _outside_ephemeral_range(tries: int = 64) -> list[int]:
+    """Up to ``tries`` random ports between Ray's worker ports (10002-19999) and the kernel's
+    ephemeral range (Linux: from 32768)."""
+    import random
+
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return []
+    return random.sample(range(20000, low), min(tries, max(0, low - 20000)))
 
 
 class _ThreadedActor:

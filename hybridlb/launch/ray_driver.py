@@ -240,8 +240,8 @@ class RayCluster:
     def _start_coordinator(self) -> dict:
         if not self.plan.coordinator:
             return {}
-        ip, ports = wait_for(free_ports.options(scheduling_strategy=self.placement.on(0)).remote(4, self.host), 60,
-                             self.check)
+        draw = free_ports.options(scheduling_strategy=self.placement.on(0))
+        ip, ports = wait_for(draw.remote(4, self.host, self.plan.named_ports()), 60, self.check)
         if self.host is None and not self.token:
             # Beyond loopback with no cluster token: draw one for this run. The actors get it from
             # this driver through Ray, so only they can reach the coordinator's and engines' sockets.

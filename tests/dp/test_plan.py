@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from hybridlb.config import parse_config
@@ -106,3 +108,19 @@ def test_each_invalid_combination_names_the_problem_and_fix(sections, expected):
     problems = _problems(**sections)
     assert any(expected in problem for problem in problems), problems
     assert all(";" in problem for problem in problems), "every problem states a fix after ';'"
+
+
+def test_the_coordinators_ports_are_drawn_where_no_connection_or_named_port_takes_them():
+    """`hybridlb up` draws the coordinator's ports before it starts: outside the kernel's ephemeral
+    range (a Ray process's outgoing connection would take one there) and off every port the plan
+    names (an API server binds its port only later)."""
+    from hybridlb.launch.ray_actors import free_ports
+
+    plan = _plan(data_parallel__size=2, data_parallel__size_local=2, data_parallel__rpc_port=29000, api__port=29500)
+    named = plan.named_ports()
+    assert {29000, 29016, 29017, 29500} <= named
+    ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    avoid = named | frozenset(range(20000, 28990))  # and most of the band: a draw ignoring it lands there
+    for _ in range(20):
+        _, ports = free_ports._function(4, "127.0.0.1", avoid)
+        assert len(set(ports)) == 4 and all(port < ephemeral and port not in avoid for port in ports), ports
