@@ -33,13 +33,14 @@ def seed():
 ROWS = [5, 300]
 
 
+@pytest.mark.parametrize("hidden", [96, 100])  # 100: 16-lane vectors and a tail of 4
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rms_norm_matches_torch_and_adds_the_residual(dtype, rows):
-    norm = RMSNorm(96, 1e-5).to(dtype)
+def test_rms_norm_matches_torch_and_adds_the_residual(dtype, rows, hidden):
+    norm = RMSNorm(hidden, 1e-5).to(dtype)
     with torch.no_grad():
         norm.weight.normal_()
-    x, residual = torch.randn(rows, 96, dtype=dtype), torch.randn(rows, 96, dtype=dtype)
+    x, residual = torch.randn(rows, hidden, dtype=dtype), torch.randn(rows, hidden, dtype=dtype)
     expected_sum = x + residual
     expected = norm(expected_sum.clone())
     summed = residual.clone()
@@ -56,10 +57,11 @@ def test_silu_mul_matches_torch(dtype, rows):
     torch.testing.assert_close(K.silu_mul(gate_up), silu_and_mul(gate_up), **tolerance)
 
 
+@pytest.mark.parametrize("dim", [32, 40])  # 32: halves of 16-lane vectors; 40: the element loop
 @pytest.mark.parametrize("tokens", [6, 120])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rope_store_rotates_in_place_and_fills_the_cache(dtype, tokens):
-    heads, kv_heads, dim = 4, 2, 32
+def test_rope_store_rotates_in_place_and_fills_the_cache(dtype, tokens, dim):
+    heads, kv_heads = 4, 2
     rotary = RotaryEmbedding(dim, 128, {"rope_theta": 10000.0, "rope_type": "default"})
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, dtype=dtype)
     q, k, v = (t.view(tokens, -1, dim) for t in qkv.split((heads * dim, kv_heads * dim, kv_heads * dim), -1))

@@ -34,9 +34,12 @@ SOURCE_DIR = Path(__file__).parent / "csrc"
 # libgomp.so.1 resolves, at load, to the copy torch already loaded (the dynamic loader matches
 # loaded sonames), so both share one pool: no second set of threads contending for the cores.
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-fopenmp"]
-# kernels.c rounds exactly as torch does, so no fused multiply-adds there; attention.c may.
-UNITS = {"kernels.c": ["-ffp-contract=off"], "attention.c": ["-ffp-contract=fast"], "lora.c": ["-ffp-contract=fast"],
-         "int8.c": ["-ffp-contract=fast"], "bf16.c": ["-ffp-contract=fast"], "int4.c": ["-ffp-contract=fast"]}
+# kernels.c rounds exactly as torch does, so no fused multiply-adds there; attention.c may. Its
+# row loops in 16 lanes where the CPU has AVX-512 (GCC's default is 8 on Intel; SiLU-and-mul at
+# 64 rows: 65 -> 48 us on a 2-core Xeon).
+UNITS = {"kernels.c": ["-ffp-contract=off", "-mprefer-vector-width=512"], "attention.c": ["-ffp-contract=fast"],
+         "lora.c": ["-ffp-contract=fast"], "int8.c": ["-ffp-contract=fast"], "bf16.c": ["-ffp-contract=fast"],
+         "int4.c": ["-ffp-contract=fast"]}
 SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float

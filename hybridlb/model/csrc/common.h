@@ -73,6 +73,29 @@ static inline f32x16 load16_bf16(const uint16_t *p) {
 #endif
 }
 
+static inline void store16_f32(float *p, f32x16 v) { memcpy(p, &v, sizeof v); }
+
+/* float_to_bf16 on 16 lanes, the result widened back to float (torch rounding a float
+ * intermediate to bfloat16): round to nearest, ties to even; NaN stays a quiet NaN. */
+static inline u32x16 bf16_bits16(f32x16 v) {
+    u32x16 bits;
+    memcpy(&bits, &v, sizeof bits);
+    u32x16 nan = (u32x16)((bits & 0x7fffffffu) > 0x7f800000u);
+    u32x16 rounded = bits + 0x7fffu + ((bits >> 16) & 1u);
+    return ((rounded & ~nan) | ((bits | 0x00400000u) & nan)) & 0xffff0000u;
+}
+
+static inline f32x16 round16_bf16(f32x16 v) {
+    u32x16 bits = bf16_bits16(v);
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
+static inline void store16_bf16(uint16_t *p, f32x16 v) {
+    u16x16 h = __builtin_convertvector(bf16_bits16(v) >> 16, u16x16);
+    memcpy(p, &h, sizeof h);
+}
+
 /* x[0..n) = softmax(x[0..n)), in place. Maxima and sums run in 16 lanes, so every loop
  * vectorizes (a single running max or sum would be a serial chain). */
 static inline void softmax(float *x, int64_t n) {

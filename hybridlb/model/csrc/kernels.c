@@ -17,6 +17,9 @@
 #define LOAD(x) (x)
 #define STORE(x) (x)
 #define ROUND(x) (x)
+#define LOAD16(p) load16_f32(p)
+#define STORE16(p, v) store16_f32(p, v)
+#define ROUND16(v) (v)
 #define KEY_AT(d, t, dim, block_size) ((d) * (block_size) + (t))
 #define VALUE_AT(t, d, dim, block_size) ((t) * (dim) + (d))
 #include "kernels_body.h"
@@ -25,6 +28,9 @@
 #undef LOAD
 #undef STORE
 #undef ROUND
+#undef LOAD16
+#undef STORE16
+#undef ROUND16
 #undef KEY_AT
 #undef VALUE_AT
 
@@ -33,6 +39,9 @@
 #define LOAD(x) bf16_to_float(x)
 #define STORE(x) float_to_bf16(x)
 #define ROUND(x) bf16_to_float(float_to_bf16(x))
+#define LOAD16(p) load16_bf16(p)
+#define STORE16(p, v) store16_bf16(p, v)
+#define ROUND16(v) round16_bf16(v)
 #define KEY_AT(d, t, dim, block_size) ((((d) / 2) * (block_size) + (t)) * 2 + (d) % 2)
 #define VALUE_AT(t, d, dim, block_size) ((((t) / 2) * (dim) + (d)) * 2 + (t) % 2)
 #include "kernels_body.h"

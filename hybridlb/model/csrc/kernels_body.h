@@ -1,5 +1,6 @@
 /* Kernel bodies for one dtype: T (storage), LOAD / STORE (to and from float),
- * ROUND (float rounded through T), SUFFIX (name suffix). Included by kernels.c. */
+ * ROUND (float rounded through T), their 16-lane forms LOAD16 / STORE16 / ROUND16, SUFFIX
+ * (name suffix). Included by kernels.c. */
 
 #define NAME(name) CAT(name, SUFFIX)
 
@@ -7,30 +8,40 @@
  * Rows of x are `stride` elements apart; residual and out are contiguous. */
 void NAME(rms_norm)(const T *x, int64_t stride, T *residual, const T *weight, T *out,
                     int64_t rows, int64_t hidden, float eps, int64_t threads) {
+    int64_t whole = hidden / 16 * 16;
 #pragma omp parallel num_threads(threads) if (threads > 1 && rows * hidden >= PARALLEL_MIN_ELEMENTS)
     {
     float *row = malloc(sizeof(float) * hidden);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const T *xr = x + r * stride;
-        float lanes[16] = {0};
-        if (residual) {
-            T *rr = residual + r * hidden;
-            for (int64_t i = 0; i < hidden; i++) {
-                float v = ROUND(LOAD(xr[i]) + LOAD(rr[i]));
-                rr[i] = STORE(v);
-                row[i] = v;
+        T *rr = residual ? residual + r * hidden : NULL;
+        f32x16 squares = {0};
+        for (int64_t i = 0; i < whole; i += 16) {
+            f32x16 v = LOAD16(xr + i);
+            if (rr) {
+                v = ROUND16(v + LOAD16(rr + i));
+                STORE16(rr + i, v);
             }
-        } else {
-            for (int64_t i = 0; i < hidden; i++) row[i] = LOAD(xr[i]);
+            store16_f32(row + i, v);
+            squares += v * v;
         }
-        int64_t i = 0;
-        for (; i + 16 <= hidden; i += 16)
-            for (int l = 0; l < 16; l++) lanes[l] += row[i + l] * row[i + l];
-        for (; i < hidden; i++) lanes[i % 16] += row[i] * row[i];
+        float lanes[16];
+        memcpy(lanes, &squares, sizeof lanes);
+        for (int64_t i = whole; i < hidden; i++) {
+            float v = LOAD(xr[i]);
+            if (rr) {
+                v = ROUND(v + LOAD(rr[i]));
+                rr[i] = STORE(v);
+            }
+            row[i] = v;
+            lanes[i % 16] += v * v;
+        }
         float scale = 1.0f / sqrtf(sum16(lanes) / (float)hidden + eps);
         T *orow = out + r * hidden;
-        for (int64_t j = 0; j < hidden; j++) orow[j] = STORE(LOAD(weight[j]) * ROUND(row[j] * scale));
+        for (int64_t j = 0; j < whole; j += 16)
+            STORE16(orow + j, LOAD16(weight + j) * ROUND16(load16_f32(row + j) * scale));
+        for (int64_t j = whole; j < hidden; j++) orow[j] = STORE(LOAD(weight[j]) * ROUND(row[j] * scale));
     }
     free(row);
     }
@@ -61,6 +72,16 @@ void NAME(rope_store)(T *q, int64_t q_stride, T *k, int64_t k_stride, const T *v
         }
         for (int64_t h = 0; h < heads + kv_heads; h++) {
             T *head = h < heads ? q + t * q_stride + h * dim : k + t * k_stride + (h - heads) * dim;
+            if (half % 16 == 0) {
+                for (int64_t d = 0; d < half; d += 16) {
+                    f32x16 first = LOAD16(head + d), second = LOAD16(head + d + half);
+                    f32x16 c1 = load16_f32(c + d), s1 = load16_f32(s + d);
+                    f32x16 c2 = load16_f32(c + d + half), s2 = load16_f32(s + d + half);
+                    STORE16(head + d, ROUND16(first * c1) + ROUND16(-second * s1));
+                    STORE16(head + d + half, ROUND16(second * c2) + ROUND16(first * s2));
+                }
+                continue;
+            }
             for (int64_t d = 0; d < dim; d++) x[d] = LOAD(head[d]);
             for (int64_t d = 0; d < half; d++)
                 head[d] = STORE(ROUND(x[d] * c[d]) + ROUND(-x[d + half] * s[d]));

@@ -35,18 +35,6 @@ static int64_t lora_groups(const int64_t *slots, int64_t rows, int64_t *order, i
     return groups;
 }
 
-static inline void store16_f32(float *p, f32x16 v) { memcpy(p, &v, sizeof v); }
-
-/* 16 floats rounded to bfloat16 (nearest, ties to even) in vector registers; a NaN sum (never
- * from finite weights and inputs) may come out as infinity. */
-static inline void store16_bf16(uint16_t *p, f32x16 v) {
-    u32x16 bits;
-    memcpy(&bits, &v, sizeof bits);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    u16x16 h = __builtin_convertvector(bits >> 16, u16x16);
-    memcpy(p, &h, sizeof h);
-}
-
 #define T float
 #define SUFFIX f32
 #define LOAD(x) (x)
