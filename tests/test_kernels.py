@@ -150,9 +150,28 @@ def test_paged_attention_matches_the_torch_path(heads, kv_heads, dim, block, thr
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = fast(q, k, v, AttentionBatch(batch.slot_mapping, [], [], table))
+        got = fast(q, k, v, AttentionBatch(batch.slot_mapping, [], [], [table]))
     finally:
         torch.set_num_threads(before)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_fresh_prompts_on_flash_attention_and_the_rest_on_the_kernel_agree_with_the_torch_path():
+    """The AMX path (model_runner's flash_prompts): the fresh 37-token prompt runs on torch's flash
+    attention, and the kernel takes the decodes before it and the continuing chunk after it in
+    two calls, each from its own first row."""
+    q, k, v, (k_cache, v_cache), batch, table = mixed_step(6, 2, 64, 16)
+    standard = PagedAttention(6, 2, 64)
+    standard.k_cache, standard.v_cache = k_cache, v_cache
+    want = standard(q, k, v, batch)
+    (fresh,) = [chunk for chunk in batch.prefills if chunk.context_blocks is None]
+    starts = table.query_start.tolist()
+    runs = [PagedTable(table.blocks[:4], table.query_start[:5], table.lengths[:4], 0),
+            PagedTable(table.blocks[5:], table.query_start[5:] - starts[5], table.lengths[5:], starts[5])]
+    fast = PagedAttention(6, 2, 64)
+    fast.kernels = K
+    fast.k_cache, fast.v_cache = kernel_layout(k_cache, v_cache)
+    got = fast(q, k, v, AttentionBatch(batch.slot_mapping, [], [fresh], runs))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 

@@ -84,8 +84,9 @@ class CPUKernels:
         self.int8_matmul_supported = bool(library.int8_matmul_supported())
         # int4.c's (bfloat16 activations) needs AVX-512 BF16; without it 4-bit layers run on torch's kernel.
         self.int4_matmul_supported = bool(library.int4_matmul_supported())
-        # With AMX, bf16.c's and int4.c's matmuls run on tiles from AMX_MIN_ROWS rows up (see amx.h).
-        self.use_tiles(AMX_MIN_ROWS)
+        # With AMX, bf16.c's and int4.c's matmuls run on tiles from AMX_MIN_ROWS rows up (see amx.h);
+        # ``tiles``: whether this CPU and Linux allow that (then torch's own kernels use AMX too).
+        self.tiles = self.use_tiles(AMX_MIN_ROWS)
 
     def use_tiles(self, min_rows: int) -> bool:
         """bf16.c's and int4.c's matmuls on AMX tiles from ``min_rows`` rows up (0: never), where the

@@ -137,14 +137,17 @@ def test_chat_answers_the_capital_of_france(smollm2_transformers):
 
 def test_bfloat16_tokens_stay_in_transformers_bfloat16_top5(smollm2_transformers):
     """vLLM's rule for low-precision runs: until the first divergence from transformers' greedy
-    token, every token we pick is in transformers' top 5 for the same context."""
+    token, every token we pick is in transformers' top 5 for the same context. With a long prompt
+    too: on a CPU with AMX, prompts of 32 tokens and more attend on torch's flash attention."""
     import copy
 
     import torch
 
     reference = copy.deepcopy(smollm2_transformers[0]).to(torch.bfloat16)
     llm = LLM(SMOLLM2, max_model_len=512, num_kv_blocks=256, dtype="bfloat16")
-    for out in llm.generate(PROMPTS, GREEDY):
+    runner = llm.engine.runner
+    assert runner.flash_prompts == (runner.kernels is not None and runner.kernels.tiles)
+    for out in llm.generate([*PROMPTS, " ".join(PROMPTS)], GREEDY):
         start = len(out.prompt_token_ids)
         with torch.no_grad():
             logits = reference(torch.tensor([out.prompt_token_ids + out.token_ids])).logits[0, start - 1 : -1]
