@@ -191,12 +191,13 @@ INT8_MATMUL = pytest.mark.skipif(K is None or not K.int8_matmul_supported,
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n, k", [(64, 128), (48, 80)])
-def test_int8_matmul_matches_the_dequantized_weight(dtype, threads, n, k):
-    """Rows 1 to 9 (one to three passes over each group of panels), 40 and 300 (split over threads),
-    inputs that are a slice of a wider tensor, a bias, 4 or 3 panels; against x @ (codes * scale)^T in
-    float32. The kernel quantizes each input row to 16 bits (int8.c), an error of at most half a
-    step, max|x| / 65,534, per input; its bound on each output is that times the row's sum of
-    |weights|."""
+def test_int8_matmul_matches_the_dequantized_weight(dtype, threads, n, k, matmul_path):
+    """Rows 1 to 9 (one to three passes over each group of panels), 16, 17, 33 (blocks of 16 rows
+    and tails on tiles), 40 and 300 (split over threads), inputs that are a slice of a wider
+    tensor, a bias, 4 or 3 panels (an odd one alone); against x @ (codes * scale)^T in float32. The
+    kernel quantizes each input row to 16 bits (int8.c), an error of at most half a step, max|x| /
+    65,534, per input; its bound on each output is that times the row's sum of |weights|. On tiles
+    (k 128; 80 stays on vpdpbusd) the integer sums are vpdpbusd's: the outputs are identical."""
     from hybridlb.model.quantized import int8_rows
 
     codes, scale = int8_rows(torch.randn(n, k))
@@ -208,7 +209,7 @@ def test_int8_matmul_matches_the_dequantized_weight(dtype, threads, n, k):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for rows in [*range(1, 10), 40, 300]:
+        for rows in [*range(1, 10), 16, 17, 33, 40, 300]:
             x = wide[:rows, 7 : 7 + k]  # rows k + 12 apart
             want = x.float() @ dense.T + bias.float()
             got = K.int8_matmul(x, packed, codes.sum(dim=1, dtype=torch.int32), scale, bias)
@@ -217,6 +218,11 @@ def test_int8_matmul_matches_the_dequantized_weight(dtype, threads, n, k):
             if dtype == torch.bfloat16:
                 bound = bound + want.abs() * 2**-8  # the output's rounding
             assert ((got.float() - want).abs() <= bound).all(), rows
+            if matmul_path == "tiles":
+                K.use_tiles(0)
+                vnni = K.int8_matmul(x, packed, codes.sum(dim=1, dtype=torch.int32), scale, bias)
+                K.use_tiles(1)
+                assert torch.equal(got, vnni), rows
     finally:
         torch.set_num_threads(before)
 
@@ -304,9 +310,10 @@ if K is not None:
 
 @pytest.fixture(params=["vdpbf16ps", "tiles"])
 def matmul_path(request):
-    """bf16.c's matmul on vdpbf16ps at every row count, or on AMX tiles at every row count."""
+    """The matmuls (bf16.c's, int4.c's, int8.c's) on their vector instructions at every row count,
+    or on AMX tiles at every row count."""
     if request.param == "tiles" and not TILES:
-        pytest.skip("bf16.c's tiles need a CPU with AMX (Intel Sapphire Rapids or later) and Linux 5.16+")
+        pytest.skip("the tiles need a CPU with AMX (Intel Sapphire Rapids or later) and Linux 5.16+")
     K.use_tiles(1 if request.param == "tiles" else 0)
     yield request.param
     K.use_tiles(kernels.AMX_MIN_ROWS)

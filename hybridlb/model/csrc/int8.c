@@ -19,14 +19,20 @@
  * rows go round again over the same panels (then in L2); the panels are split over torch's
  * OpenMP pool. One rounding per output element.
  *
+ * With AMX tiles in use, from hybridlb_amx_min_rows rows up, the same sums run on tiles (below).
+ *
  * Without AVX-512 VNNI int8_matmul_supported() is 0 and quantized.py keeps torch's int8 kernel
  * on row-major codes. n and k must be multiples of 16 (kernels.py checks). */
 
+#include "amx.h"
 #include "common.h"
 #include <omp.h>
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define INT8_VNNI 1
+#endif
+#if defined(INT8_VNNI) && defined(AMX_TILES) && defined(__AMX_INT8__)
+#define INT8_TILES 1
 #endif
 
 #define PANEL 16   /* output columns per panel */
@@ -80,6 +86,42 @@ static inline __attribute__((always_inline)) void int8_block(const uint8_t *byte
                                            _mm512_set1_ps(256.0f), _mm512_cvtepi32_ps(low[r][c]));
             out[r][c] = _mm512_mul_ps(value, _mm512_set1_ps(row_scale[r]));
         }
+    }
+}
+#endif
+
+#ifdef INT8_TILES
+/* AMX's tdpbusd multiplies unsigned by signed bytes in quads as vpdpbusd does, and its B tile (16
+ * rows of 64 bytes: 16 quads of 16 columns) is 16 quads of one panel in the layout above, 1 KB
+ * contiguous. So with tiles in use (amx.h) a block of up to 16 split input rows goes against two
+ * panels 64 inputs at a time: the rows' high' and low bytes in tiles 4 and 5, the panels in 6 and
+ * 7, the four int32 sums in 0-3 (tiles configured for the block's rows). The integer sums are
+ * the vpdpbusd path's exactly, and so is everything after them. */
+static inline void int8_tile_block(const uint8_t *bytes, int64_t k, const int8_t *b, int64_t b_next, int panels,
+                                   int32_t sums[4][16][16]) {
+    _tile_zero(0);
+    _tile_zero(1);
+    if (panels > 1) {
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    for (int64_t kk = 0; kk < k; kk += 64) {
+        _tile_loadd(4, bytes + kk, 2 * k);
+        _tile_loadd(5, bytes + k + kk, 2 * k);
+        _tile_loadd(6, b + kk * PANEL, 64);
+        _tile_dpbusd(0, 4, 6);
+        _tile_dpbusd(1, 5, 6);
+        if (panels > 1) {
+            _tile_loadd(7, b + b_next + kk * PANEL, 64);
+            _tile_dpbusd(2, 4, 7);
+            _tile_dpbusd(3, 5, 7);
+        }
+    }
+    _tile_stored(0, sums[0], 64);
+    _tile_stored(1, sums[1], 64);
+    if (panels > 1) {
+        _tile_stored(2, sums[2], 64);
+        _tile_stored(3, sums[3], 64);
     }
 }
 #endif

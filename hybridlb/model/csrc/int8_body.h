@@ -61,6 +61,42 @@ static void NAME(int8_panels)(const uint8_t *bytes, const float *row_scale, cons
 }
 #undef BY_ROWS
 #undef BLOCK
+
+#ifdef INT8_TILES
+/* int8_panels on AMX tiles (int8.c): two panels at a time against blocks of up to 16 rows. */
+static void NAME(int8_tiles)(const uint8_t *bytes, const float *row_scale, const int8_t *packed,
+                             const int32_t *code_sums, const T *scale, const T *bias, T *out, int64_t m, int64_t n,
+                             int64_t k, int64_t begin, int64_t end) {
+    int64_t panel_bytes = k * PANEL;
+    int configured = 0;
+    int32_t sums[4][16][16];
+    for (int64_t p = begin; p < end; p += 2) {
+        int panels = end - p >= 2 ? 2 : 1;
+        for (int64_t r0 = 0; r0 < m; r0 += 16) {
+            int rows = m - r0 < 16 ? (int)(m - r0) : 16;
+            if (configured != rows) amx_configure(configured = rows);
+            int8_tile_block(bytes + 2 * r0 * k, k, packed + p * panel_bytes, panel_bytes, panels, sums);
+            for (int c = 0; c < panels; c++) {
+                int64_t col = (p + c) * PANEL;
+                __m512i sum_w = _mm512_slli_epi32(_mm512_loadu_si512(code_sums + col), 7); /* 128 sum(w) */
+                __m512 column_scale = LOAD16(scale + col);
+                __m512 add = bias ? LOAD16(bias + col) : _mm512_setzero_ps();
+                for (int r = 0; r < rows; r++) {
+                    __m512i high = _mm512_loadu_si512(sums[2 * c][r]), low = _mm512_loadu_si512(sums[2 * c + 1][r]);
+                    __m512 value = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(high, sum_w)),
+                                                   _mm512_set1_ps(256.0f), _mm512_cvtepi32_ps(low));
+                    value = _mm512_mul_ps(value, _mm512_set1_ps(row_scale[r0 + r]));
+                    float lanes[PANEL];
+                    _mm512_storeu_ps(lanes, _mm512_fmadd_ps(value, column_scale, add));
+                    T *to = out + (r0 + r) * n + col;
+                    for (int j = 0; j < PANEL; j++) to[j] = STORE(lanes[j]);
+                }
+            }
+        }
+    }
+    _tile_release();
+}
+#endif
 #endif
 
 /* out [m, n] (contiguous) = x [m, k] (rows x_stride apart) @ (codes [n, k] * scale [n])^T + bias [n]
@@ -75,14 +111,19 @@ void NAME(int8_matmul)(const T *x, int64_t x_stride, const int8_t *packed, const
     float *row_scale = (float *)(bytes + 2 * m * k);
     NAME(split_rows)(x, x_stride, m, k, bytes, row_scale, threads);
     if (threads > panels) threads = panels;
+    void (*run)(const uint8_t *, const float *, const int8_t *, const int32_t *, const T *, const T *, T *, int64_t,
+                int64_t, int64_t, int64_t, int64_t) = NAME(int8_panels);
+#ifdef INT8_TILES
+    if (hybridlb_amx_min_rows && m >= hybridlb_amx_min_rows && k % 64 == 0) run = NAME(int8_tiles);
+#endif
     if (threads <= 1 || MATMUL_SERIAL(m, n, k)) {
-        NAME(int8_panels)(bytes, row_scale, packed, code_sums, scale, bias, out, m, n, k, 0, panels);
+        run(bytes, row_scale, packed, code_sums, scale, bias, out, m, n, k, 0, panels);
     } else {
 #pragma omp parallel num_threads(threads)
         {
             int64_t t = omp_get_thread_num(), parts = omp_get_num_threads();
-            NAME(int8_panels)(bytes, row_scale, packed, code_sums, scale, bias, out, m, n, k, panels * t / parts,
-                              panels * (t + 1) / parts);
+            run(bytes, row_scale, packed, code_sums, scale, bias, out, m, n, k, panels * t / parts,
+                panels * (t + 1) / parts);
         }
     }
     free(bytes);
