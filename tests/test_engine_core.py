@@ -106,3 +106,17 @@ def test_top_k_one_and_tiny_top_p_are_greedy(llm):
     top_p = llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=1.0, top_p=1e-6, ignore_eos=True))
     assert [o.token_ids for o in top_k] == [o.token_ids for o in greedy]
     assert [o.token_ids for o in top_p] == [o.token_ids for o in greedy]
+
+
+def test_the_kernels_tables_cover_runs_of_adjacent_rows_around_the_flash_prompts():
+    """model_runner with the kernels on AMX: fresh prompts leave the kernel's table, so the
+    sequences around them form one table per run of adjacent rows, each from its first row."""
+    from types import SimpleNamespace
+
+    from hybridlb.engine.model_runner import _adjacent_runs
+
+    decode, cached, after = (SimpleNamespace(num_tokens=n) for n in (1, 23, 5))
+    # rows 0-1 two decodes, rows 2-38 a fresh prompt (flash), 39-61 a cached chunk, 62-66 another
+    runs = _adjacent_runs([(0, decode), (1, decode), (39, cached), (62, after)])
+    assert [[row for row, _ in run] for run in runs] == [[0, 1], [39, 62]]
+    assert _adjacent_runs([]) == []
