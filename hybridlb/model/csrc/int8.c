@@ -49,6 +49,14 @@ int64_t int8_matmul_supported(void) {
 }
 
 #ifdef INT8_VNNI
+/* One row's 16 sums in x's units from its high' and low byte sums: 256 (high' - 128 sum(w)) + low,
+ * times the row's step (sum_w128: 128 sum(w) per column). */
+static inline __m512 int8_value(__m512i high, __m512i low, __m512i sum_w128, float row_scale) {
+    __m512 value = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(high, sum_w128)), _mm512_set1_ps(256.0f),
+                                   _mm512_cvtepi32_ps(low));
+    return _mm512_mul_ps(value, _mm512_set1_ps(row_scale));
+}
+
 /* Rows [0, R) of the split inputs times panels [first, first + C), R and C constants after
  * inlining; sums[c] (16 floats) in x's units, before the column scales. */
 static inline __attribute__((always_inline)) void int8_block(const uint8_t *bytes, int64_t k, const int8_t *packed,
@@ -81,11 +89,7 @@ static inline __attribute__((always_inline)) void int8_block(const uint8_t *byte
     }
     for (int c = 0; c < C; c++) {
         __m512i sums = _mm512_slli_epi32(_mm512_loadu_si512(code_sums + (first + c) * PANEL), 7); /* 128 sum(w) */
-        for (int r = 0; r < R; r++) {
-            __m512 value = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(high[r][c], sums)),
-                                           _mm512_set1_ps(256.0f), _mm512_cvtepi32_ps(low[r][c]));
-            out[r][c] = _mm512_mul_ps(value, _mm512_set1_ps(row_scale[r]));
-        }
+        for (int r = 0; r < R; r++) out[r][c] = int8_value(high[r][c], low[r][c], sums, row_scale[r]);
     }
 }
 #endif

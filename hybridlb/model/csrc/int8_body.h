@@ -26,6 +26,13 @@ static void NAME(split_rows)(const T *x, int64_t x_stride, int64_t m, int64_t k,
     }
 }
 
+/* One row's 16 outputs of a panel: value * column scale + bias, stored as T. */
+static inline void NAME(store_row)(T *to, __m512 value, __m512 column_scale, __m512 add) {
+    float lanes[PANEL];
+    _mm512_storeu_ps(lanes, _mm512_fmadd_ps(value, column_scale, add));
+    for (int j = 0; j < PANEL; j++) to[j] = STORE(lanes[j]);
+}
+
 #define BLOCK(R, C) int8_block(b, k, packed, code_sums, row_scale + r0, first, R, C, sums)
 #define BY_ROWS(C) switch (rows) { case 1: BLOCK(1, C); break; case 2: BLOCK(2, C); break; default: BLOCK(3, C); }
 
@@ -49,12 +56,8 @@ static void NAME(int8_panels)(const uint8_t *bytes, const float *row_scale, cons
                 int64_t col = (first + c) * PANEL;
                 __m512 column_scale = LOAD16(scale + col);
                 __m512 add = bias ? LOAD16(bias + col) : _mm512_setzero_ps();
-                for (int64_t r = 0; r < rows; r++) {
-                    float lanes[PANEL];
-                    _mm512_storeu_ps(lanes, _mm512_fmadd_ps(sums[r][c], column_scale, add));
-                    T *to = out + (r0 + r) * n + col;
-                    for (int j = 0; j < PANEL; j++) to[j] = STORE(lanes[j]);
-                }
+                for (int64_t r = 0; r < rows; r++)
+                    NAME(store_row)(out + (r0 + r) * n + col, sums[r][c], column_scale, add);
             }
         }
     }
@@ -82,14 +85,9 @@ static void NAME(int8_tiles)(const uint8_t *bytes, const float *row_scale, const
                 __m512 column_scale = LOAD16(scale + col);
                 __m512 add = bias ? LOAD16(bias + col) : _mm512_setzero_ps();
                 for (int r = 0; r < rows; r++) {
-                    __m512i high = _mm512_loadu_si512(sums[2 * c][r]), low = _mm512_loadu_si512(sums[2 * c + 1][r]);
-                    __m512 value = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(high, sum_w)),
-                                                   _mm512_set1_ps(256.0f), _mm512_cvtepi32_ps(low));
-                    value = _mm512_mul_ps(value, _mm512_set1_ps(row_scale[r0 + r]));
-                    float lanes[PANEL];
-                    _mm512_storeu_ps(lanes, _mm512_fmadd_ps(value, column_scale, add));
-                    T *to = out + (r0 + r) * n + col;
-                    for (int j = 0; j < PANEL; j++) to[j] = STORE(lanes[j]);
+                    __m512 value = int8_value(_mm512_loadu_si512(sums[2 * c][r]), _mm512_loadu_si512(sums[2 * c + 1][r]),
+                                              sum_w, row_scale[r0 + r]);
+                    NAME(store_row)(out + (r0 + r) * n + col, value, column_scale, add);
                 }
             }
         }
