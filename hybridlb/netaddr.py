@@ -51,3 +51,14 @@ def _read(path: str) -> str:
         return Path(path).read_text()
     except OSError:
         return ""
+
+
+def quiet_port_band() -> range:
+    """Ports above Ray's worker ports (10002-19999) and below the kernel's ephemeral range (Linux:
+    from 32768), where no outgoing connection or bind to port 0 takes one: ports drawn here and
+    bound a little later stay free meanwhile. Empty where the range cannot be read."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return range(20000, int(f.read().split()[0]))
+    except (OSError, ValueError, IndexError):
+        return range(0)

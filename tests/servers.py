@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 
 from hybridlb.lifecycle import die_with_parent
+from hybridlb.netaddr import quiet_port_band
 
 
 def free_port() -> int:
@@ -32,7 +33,8 @@ def free_port_range(count: int) -> int:
     every bind to port 0 get their ports) and above Ray's worker ports (10002-19999): a port handed
     out cannot be taken by a connection some process (a Ray worker, another server) opens before
     the server binds it, and is never handed out twice in one run."""
-    low, high = 20000, int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    band = quiet_port_band()
+    low, high = band.start, band.stop
     for _ in range(200):
         base = random.randrange(low, high - count)
         block = set(range(base, base + count))

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import shutil
 import socket
 import tempfile
 import threading
 
 import ray
+
+from hybridlb.netaddr import quiet_port_band
 
 
 def _node_ip() -> str:
@@ -53,7 +56,8 @@ def free_ports(count: int, host: str | None = None, avoid: frozenset[int] = froz
     ip = host or _node_ip()
     sockets: list[socket.socket] = []
     try:
-        for port in _outside_ephemeral_range():
+        band = quiet_port_band()
+        for port in random.sample(band, min(64, len(band))):
             if port in avoid:
                 continue
             s = socket.socket()
@@ -72,19 +76,6 @@ def free_ports(count: int, host: str | None = None, avoid: frozenset[int] = froz
     finally:
         for s in sockets:
             s.close()
-
-
-def _outside_ephemeral_range(tries: int = 64) -> list[int]:
-    """Up to ``tries`` random ports between Ray's worker ports (10002-19999) and the kernel's
-    ephemeral range (Linux: from 32768)."""
-    import random
-
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low = int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return []
-    return random.sample(range(20000, low), min(tries, max(0, low - 20000)))
 
 
 class _ThreadedActor:
