@@ -61,7 +61,10 @@ class PartTimer:
 
 
 def profile_steps(llm: LLM, steps: int) -> dict:
+    """Profiled eagerly: the decode program (model/decode_program.py) runs a step as one C call, which
+    neither the hooks nor torch's profiler see into."""
     core = llm.engine
+    program, core.runner.program = core.runner.program, None
     timer = PartTimer(core.runner.model)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
@@ -69,6 +72,7 @@ def profile_steps(llm: LLM, steps: int) -> dict:
             core.step()
         wall = time.perf_counter() - start
     timer.remove()
+    core.runner.program = program
     events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
     inside = sum(e.self_cpu_time_total for e in events) / 1e6
     ops = [{"op": e.key, "self_ms_per_step": e.self_cpu_time_total / 1e3 / steps, "calls_per_step": e.count / steps,
@@ -78,11 +82,15 @@ def profile_steps(llm: LLM, steps: int) -> dict:
             "parts_ms": parts}
 
 
-def timed_steps(llm: LLM, steps: int) -> float:
-    """Milliseconds per engine step, no profiler or hooks."""
+def timed_steps(llm: LLM, steps: int, eager: bool = False) -> float:
+    """Milliseconds per engine step, no profiler or hooks; decode steps as the decode program unless
+    ``eager`` (or the model is not covered)."""
+    runner = llm.engine.runner
+    program, runner.program = runner.program, None if eager else runner.program
     start = time.perf_counter()
     for _ in range(steps):
         llm.engine.step()
+    runner.program = program
     return 1000 * (time.perf_counter() - start) / steps
 
 
@@ -154,10 +162,12 @@ def main() -> None:
     while llm.engine.scheduler.waiting or llm.engine.scheduler.running:
         llm.engine.step()
     llm.engine.abort(warm)
-    start_requests(llm, args.batch, args.prompt_len, args.steps * 4, "p")
+    start_requests(llm, args.batch, args.prompt_len, args.steps * 5, "p")
     prefill = profile_steps(llm, 1)  # one step prefills the whole batch (budget allows it)
     decode = profile_steps(llm, args.steps)
     decode["step_ms_unprofiled"] = timed_steps(llm, args.steps)
+    decode["step_ms_eager"] = timed_steps(llm, args.steps, eager=True)
+    decode["decode_program"] = llm.engine.runner.program is not None
     dtype = str(llm.engine.runner.dtype).removeprefix("torch.")
     context = args.prompt_len + 3 * args.steps // 2  # the middle of the unprofiled steps
     decode["work"] = decode_work(llm, args.batch, context)
@@ -167,7 +177,8 @@ def main() -> None:
     print_profile(f"prefill ({args.batch} x {args.prompt_len} tokens)", prefill)
     print_profile(f"decode (batch {args.batch})", decode)
     machine = decode["machine"]
-    print(f"\ndecode without the profiler: {decode['step_ms_unprofiled']:.1f} ms per step, "
+    print(f"\ndecode without the profiler: {decode['step_ms_unprofiled']:.1f} ms per step "
+          f"({'decode program' if decode['decode_program'] else 'eager'}; eager {decode['step_ms_eager']:.1f} ms), "
           f"{args.batch / decode['step_ms_unprofiled'] * 1000:.0f} tok/s; matmuls {machine['matmul_gflop_s']:.0f} "
           f"GFLOP/s, weights + KV {machine['gb_s']:.1f} GB/s")
     if "matmul_fraction_of_peak" in machine:

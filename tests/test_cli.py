@@ -142,7 +142,7 @@ def test_vllm_spellings_of_lengths_dtypes_and_names(checkpoints):
                     "first", "second", "--enforce-eager", "-tp", "1", "--dry-run")
     assert run.returncode == 0, run.stderr
     assert "max_model_len 1024" in run.stdout and "dtype float16" in run.stdout
-    assert "model ['first', 'second']" in run.stdout and "--enforce-eager has no effect" in run.stderr
+    assert "model ['first', 'second']" in run.stdout and "eager (no decode program)" in run.stdout
     bad = _hybridlb("serve", checkpoints("qwen3"), "--max-model-len", "lots", "-tp", "2", "--dtype", "fp8")
     assert bad.returncode == 2
     assert "--max-model-len lots: not a token count" in bad.stderr and "--tensor-parallel-size 2" in bad.stderr

@@ -102,6 +102,9 @@ def serve(
         help="lazy (default): engines read an adapter when a request first needs it; eager: when it is "
              "registered (start-up or /v1/load_lora_adapter).")] = None,
     seed: Annotated[int | None, vllm_option()] = None,
+    enforce_eager: Annotated[bool, vllm_option(
+        "--enforce-eager", help="Run every step layer by layer from Python, not decode steps as the recorded "
+        "decode program (for debugging and profiling).")] = False,
     torch_threads: Annotated[int | None, typer.Option(help="Threads per engine (0: split the cores).")] = None,
     share_cores: Annotated[bool | None, typer.Option(
         "--share-cores/--no-share-cores",
@@ -137,6 +140,7 @@ def serve(
                        max_num_batched_tokens=max_num_batched_tokens, kv_cache_gib=kv_cache_gib,
                        gpu_memory_utilization=gpu_memory_utilization,
                        block_size=block_size, seed=seed, torch_threads=torch_threads,
+                       enforce_eager=enforce_eager or None,
                        share_cores=share_cores, prefix_caching=enable_prefix_caching,
                        kv_events=json_flag("--kv-events-config", kv_events_config),
                        structured_outputs=json_flag("--structured-outputs-config", structured_outputs_config),
@@ -213,7 +217,8 @@ def _engine_summary(cfg) -> str:
                if engine.speculative else "")
             + (f", LoRA ({len(engine.lora.modules)} adapters, {engine.lora.max_loras} per engine)"
                if engine.lora else "")
-            + f", max_model_len {max_len}" + ("" if engine.max_model_len else " (the model's)"))
+            + f", max_model_len {max_len}" + ("" if engine.max_model_len else " (the model's)")
+            + (", eager (no decode program)" if engine.enforce_eager else ""))
 
 
 def _in_a_pod(cfg):

@@ -5,7 +5,7 @@ llm-d manifests). ``translate`` rewrites one into hybridlb's flags before the CL
 it: the positional model, vLLM's short forms, underscores for dashes, the load-balancing
 switches, ``k``/``K`` length suffixes and vLLM's dtype names. A vLLM flag whose meaning
 hybridlb does not implement is an error that names it and says what to do; one that has
-nothing to change here (``--enforce-eager``: hybridlb always runs eagerly) is accepted
+nothing to change here (``--trust-remote-code``: no checkpoint code ever runs) is accepted
 with a note. Nothing is silently given another meaning.
 """
 
@@ -34,7 +34,6 @@ SIZE_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G"
 
 # Flags (without a value) that change nothing here, and why.
 NO_EFFECT = {
-    "--enforce-eager": "hybridlb always runs eagerly (no CUDA graphs or compilation to turn off)",
     "--trust-remote-code": "hybridlb never runs code from a checkpoint; its model code is its own",
     "--disable-log-requests": "hybridlb does not log request contents",
     "--no-enable-log-requests": "hybridlb does not log request contents",

@@ -19,6 +19,7 @@ from hybridlb.engine.sampler import Sampler
 from hybridlb.engine.scheduler import ScheduledChunk
 from hybridlb.model import kernels, memory
 from hybridlb.model.attention import AttentionBatch, DecodeGroup, PagedTable, PrefillChunk
+from hybridlb.model.decode_program import DecodeProgram
 from hybridlb.model.loader import load_model
 from hybridlb.model.lora import ModelAdapters
 from hybridlb.params import LoRARequest
@@ -86,6 +87,11 @@ class ModelRunner:
         lifecycle.release_freed_memory()  # loading's and packing's temporaries, the parsed checkpoint
         self.num_blocks = kv_cache.num_blocks(config, self.spec, self.max_model_len, self._gpu_budget(config))
         self._allocate_cache()
+        # Steps replayed as one C call where the model is covered (see decode_program.py); up to one
+        # decode and its drafts per running request.
+        drafts = config.speculative.num_speculative_tokens if config.speculative else 0
+        rows = min(config.max_num_seqs * (1 + drafts), config.max_num_batched_tokens)
+        self.program = None if config.enforce_eager else DecodeProgram.build(self.model, self.kernels, rows)
         self.sampler = Sampler(self.device, config.seed)
         self._draft_logits: dict[int, torch.Tensor] = {}  # the last step's draft rows, per request
 
@@ -156,7 +162,10 @@ class ModelRunner:
         input_ids, positions, batch, sample_rows = self._prepare(ordered, len(decodes))
         if self.adapters is not None:
             self._use_adapters(ordered)
-        hidden = self.model(input_ids, positions, batch)
+        if self._replays(batch, len(input_ids)):
+            hidden = self.program.forward(input_ids, positions, batch.slot_mapping, batch.tables[0])
+        else:
+            hidden = self.model(input_ids, positions, batch)
         self._score_prompts(ordered, hidden)
         samplers = [c for c in ordered if c.samples]
         if not samplers:
@@ -173,6 +182,11 @@ class ModelRunner:
         sampled = self._sample(logits, [c.request for c in samplers])
         tokens = dict(zip(map(id, samplers), sampled, strict=True))
         return [tokens[id(c)] for c in chunks if c.samples]
+
+    def _replays(self, batch: AttentionBatch, rows: int) -> bool:
+        """Whether this step runs as the decode program: every row attends on the kernel, in one table."""
+        return (self.program is not None and rows <= self.program.max_rows and len(batch.tables) == 1
+                and batch.tables[0].row == 0 and not batch.prefills and not batch.decodes)
 
     @torch.inference_mode()
     def sample_draft(self, requests: list[Request], position: int) -> list[int]:

@@ -1,5 +1,5 @@
-"""The C kernels of ``csrc/`` (kernels.c, attention.c, lora.c, int8.c, int4.c, bf16.c): built once per machine
-with the system's C compiler, loaded with ctypes, called on torch tensors' memory.
+"""The C kernels of ``csrc/`` (kernels.c, attention.c, lora.c, int8.c, int4.c, bf16.c, program.c): built once per
+machine with the system's C compiler, loaded with ctypes, called on torch tensors' memory.
 
 A CPU decoder layer in eager torch is ~60 small ops whose fixed cost (~5-10 µs each)
 dominates a decode step; these kernels fuse the small work between the matmuls into
@@ -39,7 +39,7 @@ FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fPIC
 # 64 rows: 65 -> 48 us on a 2-core Xeon).
 UNITS = {"kernels.c": ["-ffp-contract=off", "-mprefer-vector-width=512"], "attention.c": ["-ffp-contract=fast"],
          "lora.c": ["-ffp-contract=fast"], "int8.c": ["-ffp-contract=fast"], "bf16.c": ["-ffp-contract=fast"],
-         "int4.c": ["-ffp-contract=fast"]}
+         "int4.c": ["-ffp-contract=fast"], "program.c": []}
 SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -77,6 +77,10 @@ class CPUKernels:
         library.int8_matmul_supported.restype = ctypes.c_int64
         library.int4_matmul_supported.restype = ctypes.c_int64
         library.bf16_amx_enable.argtypes, library.bf16_amx_enable.restype = [ctypes.c_int64], ctypes.c_int64
+        # program.c: a recorded decode step replayed (model/decode_program.py); returns -1, or the index
+        # of an operation it does not know.
+        self.program_run = library.program_run
+        self.program_run.argtypes, self.program_run.restype = [_P, _I, _I, _P, _I], ctypes.c_int64
         self._library = library
         # bf16.c's matmul needs AVX-512 BF16 (vdpbf16ps); without it the linear layers stay on oneDNN.
         self.bf16_matmul_supported = bool(library.bf16_matmul_supported())
