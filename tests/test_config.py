@@ -48,3 +48,19 @@ def test_missing_model_and_missing_file(tmp_path):
 def test_cache_smaller_than_one_sequence(tmp_path):
     with pytest.raises(ConfigError, match="cannot hold one sequence"):
         load_config(_write(tmp_path, "engine: {model: m, max_model_len: 256, num_kv_blocks: 4, block_size: 16}"))
+
+
+def test_the_step_budget_defaults_per_device_and_cpu(monkeypatch):
+    """512 tokens where prompts prefill on AMX tiles (bfloat16), 1,024 on other CPUs and in float32,
+    8,192 on CUDA; a budget the config gives is kept."""
+    from hybridlb.config import EngineConfig
+    from hybridlb.config import engine as engine_config
+
+    monkeypatch.setattr(engine_config, "has_amx", lambda: True)
+    assert EngineConfig(model="m").max_num_batched_tokens == 512
+    assert EngineConfig(model="m", dtype="bfloat16").max_num_batched_tokens == 512
+    assert EngineConfig(model="m", dtype="float32").max_num_batched_tokens == 1024
+    assert EngineConfig(model="m", device="cuda").max_num_batched_tokens == 8192
+    assert EngineConfig(model="m", max_num_batched_tokens=2048).max_num_batched_tokens == 2048
+    monkeypatch.setattr(engine_config, "has_amx", lambda: False)
+    assert EngineConfig(model="m").max_num_batched_tokens == 1024

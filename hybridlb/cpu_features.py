@@ -1,0 +1,30 @@
+"""What this machine's CPU can do, from /proc/cpuinfo (torch-free: the config and the API server use it)."""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+
+@cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (empty where /proc/cpuinfo cannot be read)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            return frozenset(line.partition(":")[2].split())
+    return frozenset()
+
+
+def has_native_bfloat16() -> bool:
+    """AMX or AVX512-BF16: bfloat16 matmuls run in hardware (elsewhere oneDNN emulates them,
+    slower than float32)."""
+    return bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
+
+
+def has_amx() -> bool:
+    """AMX tiles for bfloat16 (Intel Sapphire Rapids and later): prompts prefill on them."""
+    return "amx_bf16" in cpu_flags()
