@@ -89,9 +89,10 @@ def step_budget(page, data: dict) -> str:
     first = rows[0]
     at = {r["budget"]: r for r in rows if (r["input"], r["output"], r["concurrency"]) ==
           (first["input"], first["output"], first["concurrency"])}
-    if 2048 in at and 1024 in at:
-        a, b = at[2048], at[1024]
-        return (f"{first['input']}/{first['output']} c{first['concurrency']}, 1024 vs 2048: TTFT "
+    if len(at) >= 2:  # the largest budget against the next one down
+        high, low = sorted(at, reverse=True)[:2]
+        a, b = at[high], at[low]
+        return (f"{first['input']}/{first['output']} c{first['concurrency']}, {low} vs {high}: TTFT "
                 f"{b['mean_ttft_ms'] / a['mean_ttft_ms']:.2f}x, TPOT {b['mean_tpot_ms'] / a['mean_tpot_ms']:.2f}x, "
                 f"tok/s {b['output_tok_s'] / a['output_tok_s']:.2f}x")
     return f"{len(rows)} rows"
