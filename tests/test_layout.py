@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent / "hybridlb"
-BASE = {"config", "protocol", "params", "prefix_hash", "transport", "netaddr", "lifecycle", "plan", "__init__"}
+BASE = {"config", "protocol", "params", "prefix_hash", "transport", "netaddr", "cpu_features", "lifecycle", "plan",
+        "__init__"}
 # What each part may import besides itself and BASE (a package, or a top-level module).
 ALLOWED = {
     "checkpoint": set(),
