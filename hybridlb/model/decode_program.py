@@ -94,10 +94,9 @@ class DecodeProgram:
             buffer(2 * inter), buffer(inter), buffer(hidden), buffer(hidden)
         ops: list[list[int]] = []
 
-        def norm(x: torch.Tensor, residual: torch.Tensor | None, module) -> None:
+        def norm(x: torch.Tensor, residual: torch.Tensor | None, module, out: torch.Tensor) -> None:
             ops.append([NORM, x.data_ptr(), x.shape[1], 0 if residual is None else residual.data_ptr(),
-                        module.weight.data_ptr(), self.normed.data_ptr() if module is not model.norm
-                        else self.hidden.data_ptr(), x.shape[1], _float_bits(module.eps)])
+                        module.weight.data_ptr(), out.data_ptr(), x.shape[1], _float_bits(module.eps)])
 
         def matmul(linear, x: torch.Tensor, out: torch.Tensor) -> None:
             kind, weight, extra = _matmul(linear)
@@ -108,7 +107,8 @@ class DecodeProgram:
         for i, layer in enumerate(model.layers):
             attn = layer.self_attn
             cache = attn.attn
-            norm(self.residual if i == 0 else self.mlp_out, None if i == 0 else self.residual, layer.input_norm)
+            norm(self.residual if i == 0 else self.mlp_out, None if i == 0 else self.residual, layer.input_norm,
+                 self.normed)
             matmul(attn.qkv, self.normed, self.qkv)
             q, k, v = (self.qkv.data_ptr() + element * offset for offset in (0, heads * dim, (heads + kv_heads) * dim))
             block_size = cache.v_cache.shape[2]
@@ -118,14 +118,13 @@ class DecodeProgram:
             ops.append([ATTENTION, q, qkv_width, cache.k_cache.data_ptr(), cache.v_cache.data_ptr(),
                         self.attended.data_ptr(), heads, kv_heads, dim, block_size, _float_bits(cache.scale)])
             matmul(attn.o, self.attended, self.projected)
-            norm(self.projected, self.residual, layer.post_attn_norm)
+            norm(self.projected, self.residual, layer.post_attn_norm, self.normed)
             matmul(layer.mlp.gate_up, self.normed, self.gate_up)
             ops.append([SILU, self.gate_up.data_ptr(), self.activated.data_ptr(), inter])
             matmul(layer.mlp.down, self.activated, self.mlp_out)
-        norm(self.mlp_out, self.residual, model.norm)
+        norm(self.mlp_out, self.residual, model.norm, self.hidden)
         self.ops = torch.tensor([op + [0] * (OP_WORDS - len(op)) for op in ops], dtype=torch.int64)
         self.count = len(ops)
-        self._tables = (attention.rotary.cos, attention.rotary.sin)  # pointers the program holds
         self._run = kernels.program_run
         self._step = (ctypes.c_int64 * 7)()
         self.steps = self.rows = 0  # steps replayed, and their rows (tokens)

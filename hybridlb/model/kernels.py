@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from hybridlb.cpu_features import cpu_flags
+
 log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
@@ -349,10 +351,4 @@ def _compiler_version(compiler: str) -> bytes:
 
 def _cpu_features() -> bytes:
     """The flags -march=native compiles for; a cache shared between machines must not mix them."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line.encode()
-    except OSError:
-        pass
-    return platform.processor().encode()
+    return " ".join(sorted(cpu_flags())).encode() or platform.processor().encode()
