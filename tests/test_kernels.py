@@ -227,6 +227,37 @@ def test_int8_matmul_matches_the_dequantized_weight(dtype, threads, n, k, matmul
         torch.set_num_threads(before)
 
 
+@INT8_MATMUL
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("n, k", [(64, 128), (48, 96)])
+def test_int8_group_matmul_scales_each_group_of_32_inputs(threads, n, k):
+    """GGUF Q8_0's grid (a scale per 32 inputs of a row, int8_groups) on int8.c: rows 1 to 7 (one and two
+    rows per pass, 2 or 3 panels: an odd one alone) and 40 (split over threads), strided inputs; against
+    x @ (codes * group scale)^T in float32, within the 16-bit input rounding's bound. Scales that differ
+    by 1,000x between groups catch a sum scaled by the wrong group's scale."""
+    from hybridlb.model.quantized import int8_groups
+
+    weight = torch.randn(n, k) * torch.logspace(-3, 0, k // 32).repeat_interleave(32)
+    codes, scale = int8_groups(weight)
+    assert (scale == scale.half().float()).all()  # float16 scales, as Q8_0 stores them
+    dense = (codes.float().reshape(n, -1, 32) * scale[..., None]).reshape(n, k)
+    assert ((dense - weight).abs() <= scale.repeat_interleave(32, dim=1) / 2 + 1e-7).all()
+    packed, group_scales = K.int8_pack(codes), K.int8_group_scales_pack(scale)
+    wide = torch.randn(40, k + 12)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows in [*range(1, 8), 40]:
+            x = wide[:rows, 5 : 5 + k]
+            want = x @ dense.T
+            got = K.int8_group_matmul(x, packed, group_scales)
+            assert got.dtype == torch.float32 and got.shape == (rows, n)
+            bound = x.abs().amax(dim=1, keepdim=True) / 65534 * dense.abs().sum(dim=1) * 1.01 + 1e-6
+            assert ((got - want).abs() <= bound).all(), rows
+    finally:
+        torch.set_num_threads(before)
+
+
 INT4_MATMUL = pytest.mark.skipif(K is None or not K.int4_matmul_supported,
                                  reason="int4.c's matmul needs a CPU with AVX-512 BF16")
 

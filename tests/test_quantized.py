@@ -12,7 +12,16 @@ from hybridlb import LLM, SamplingParams
 from hybridlb.checkpoint.path import CheckpointError
 from hybridlb.cli.vllm_args import FlagError, translate
 from hybridlb.config import EngineConfig
-from hybridlb.model.quantized import Int4Linear, Int8Embedding, Int8Linear, int4_groups
+from hybridlb.model import kernels
+from hybridlb.model.quantized import (
+    GROUP_ROWS_MAX,
+    Int4Linear,
+    Int8Embedding,
+    Int8GroupLinear,
+    Int8Linear,
+    int4_groups,
+    int8_groups,
+)
 from tests.conftest import PROMPTS
 from tests.gguf_writer import write_gguf
 
@@ -53,6 +62,30 @@ def test_a_gguf_files_4_bit_blocks_are_kept_exactly(tmp_path, llama256_dir, qtyp
         assert isinstance(layer, Int4Linear), name
         assert torch.equal(layer.dense_weight(), theirs[name].weight), name
     assert all(out.token_ids for out in kept.generate(PROMPTS, GREEDY))
+
+
+@pytest.mark.skipif(not (kernels.load() and kernels.load().int8_matmul_supported),
+                    reason="the output layer's codes run on int8.c, which needs AVX-512 VNNI")
+@pytest.mark.parametrize("qtype, exact", [("Q8_0", True), ("Q4_0", False)])
+def test_a_gguf_files_quantized_output_layer_runs_on_its_codes(tmp_path, llama256_dir, qtype, exact):
+    """The output layer (tied to the embedding here) keeps the file's codes with a scale per 32 inputs:
+    Q8_0's own values exactly, other types within half an int8 step; steps of a few rows take their logits
+    from the codes, larger ones from the dense copy, and both follow the dequantized engine's logits. (A
+    tied one, whose embedding reads the same codes: SmolLM2 in tests/real/test_quantized.py.)"""
+    path = str(write_gguf(llama256_dir, tmp_path / f"model.{qtype}.gguf", qtype))
+    kept = _runner(LLM(path, max_model_len=256, num_kv_blocks=64, dtype="float32", quantization="gguf")).model
+    plain = _runner(LLM(path, max_model_len=256, num_kv_blocks=64, dtype="float32")).model
+    assert isinstance(kept.lm_head, Int8GroupLinear) and not kept.spec.tie_word_embeddings
+    weight, ours = plain.lm_head.weight, kept.lm_head.dense_weight()
+    if exact:
+        assert torch.equal(ours, weight)
+    else:
+        _, scale = int8_groups(weight)
+        assert ((ours - weight).abs() <= scale.repeat_interleave(32, dim=1) / 2 + 1e-7).all()
+    for rows in (1, GROUP_ROWS_MAX, GROUP_ROWS_MAX + 1, 20):
+        hidden = torch.randn(rows, weight.shape[1])
+        values = ours if rows <= GROUP_ROWS_MAX else weight  # the codes', or the dense copy's
+        assert torch.allclose(kept.logits(hidden), hidden @ values.T, atol=2e-3, rtol=1e-3), rows
 
 
 def test_k_quants_are_regrouped_within_half_a_step(tmp_path, llama256_dir):

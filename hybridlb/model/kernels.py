@@ -83,6 +83,9 @@ class CPUKernels:
         # of an operation it does not know.
         self.program_run = library.program_run
         self.program_run.argtypes, self.program_run.restype = [_P, _I, _I, _P, _I], ctypes.c_int64
+        # int8.c's matmul with a scale per 32 inputs (GGUF Q8_0), float32 only.
+        self._int8_group_matmul = library.int8_group_matmul
+        self._int8_group_matmul.argtypes, self._int8_group_matmul.restype = [_P, _I, _P, _P, _P, _I, _I, _I, _I], None
         self._library = library
         # bf16.c's matmul needs AVX-512 BF16 (vdpbf16ps); without it the linear layers stay on oneDNN.
         self.bf16_matmul_supported = bool(library.bf16_matmul_supported())
@@ -213,6 +216,25 @@ class CPUKernels:
         )
         return out
 
+
+    @staticmethod
+    def int8_group_scales_pack(scale: torch.Tensor) -> torch.Tensor:
+        """Per-group scales [n, k / 32] as ``int8_group_matmul`` reads them: float16, [n / 16, k / 32, 16]."""
+        n, groups = scale.shape
+        return scale.to(torch.float16).reshape(n // PANEL, PANEL, groups).permute(0, 2, 1).contiguous()
+
+    def int8_group_matmul(self, x: torch.Tensor, packed: torch.Tensor, group_scales: torch.Tensor) -> torch.Tensor:
+        """x [m, k] float32 (rows may be strided, elements contiguous) @ W^T → [m, n] float32, W as int8 codes
+        packed by ``int8_pack`` with a scale per group of 32 inputs of each output row
+        (``int8_group_scales_pack``): GGUF's Q8_0, on int8.c. Only where ``int8_matmul_supported``."""
+        n, k = packed.shape[0] * PANEL, packed.shape[1] * 4
+        if x.dtype != torch.float32 or x.shape[-1] != k or x.stride(-1) != 1:
+            raise ValueError(f"int8_group_matmul: x must be float32 [m, {k}] with contiguous rows, not {x.dtype} "
+                             f"{tuple(x.shape)}")
+        out = torch.empty((x.shape[0], n), dtype=torch.float32)
+        self._int8_group_matmul(x.data_ptr(), x.stride(0), packed.data_ptr(), group_scales.data_ptr(), out.data_ptr(),
+                                x.shape[0], n, k, torch.get_num_threads())
+        return out
 
     @staticmethod
     def int4_pack(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:

@@ -19,9 +19,12 @@ from torch import nn
 
 from hybridlb.checkpoint.path import CheckpointError, resolve
 from hybridlb.checkpoint.spec import ModelSpec
+from hybridlb.model import kernels
 from hybridlb.model.layers import ExpertDispatch, RotaryEmbedding
-from hybridlb.model.quantized import Int8Embedding, int8_rows, quantized_linear
+from hybridlb.model.quantized import Int8Embedding, Int8GroupLinear, int8_groups, int8_rows, quantized_linear
 from hybridlb.model.transformer import CausalLM
+
+DENSE_GGUF_TYPES = {None, "F32", "F16", "BF16"}  # None: a safetensors tensor
 
 
 @dataclass(frozen=True)
@@ -193,12 +196,13 @@ def load_model(model: str | Path, spec: ModelSpec, dtype: torch.dtype, device: t
                               ".gguf file; use int8 or int4 to quantize it at load")
     targets = quantization_targets(lm) if quantization else {}
     kept_quantized = {f"{name}.weight" for name in targets} | ({"embed.weight"} if targets else set())
+    int8_head = bool(targets) and _int8_head(reader, layout, lm.spec, quantization)
     with torch.no_grad():
         for name, param in lm.named_parameters():
             if name not in kept_quantized:
                 param.copy_(build(reader, layout[name]))
         if targets:
-            _quantize(lm, reader, layout, targets, quantization, dtype)
+            _quantize(lm, reader, layout, targets, quantization, dtype, int8_head)
     return lm.eval()
 
 
@@ -208,9 +212,27 @@ def quantization_targets(lm: CausalLM) -> dict[str, nn.Linear]:
             if isinstance(module, nn.Linear) and name.endswith((".qkv", ".o", ".gate_up", ".down"))}
 
 
+def _int8_head(reader, layout: dict[str, Source], spec: ModelSpec, method: str) -> bool:
+    """Whether the output layer runs on int8 codes (``Int8GroupLinear``, float32 logits): where a GGUF file
+    holds it quantized (Q8_0, Q6_K, ...: llama.cpp's own output matmul runs on those codes) and int8.c
+    runs it, for steps of a few rows (``GROUP_ROWS_MAX``; its dense copy takes larger ones). At batch 1 that
+    halves the bytes the largest matrix of a small model streams (SmolLM2: 28 MiB of codes instead of 56
+    MiB of bfloat16). Checkpoints of plain floats keep only the dense output layer (the logits keep the
+    checkpoint's values), as do CPUs without AVX-512 VNNI."""
+    if method != "gguf":
+        return False
+    source = layout["embed.weight" if spec.tie_word_embeddings else "lm_head.weight"]
+    if any(reader.tensor_type(name) in DENSE_GGUF_TYPES for name in source.names):
+        return False
+    found = kernels.load()
+    return (found is not None and found.int8_matmul_supported and spec.vocab_size % kernels.PANEL == 0
+            and spec.hidden_size % kernels.PANEL == 0)
+
+
 def _quantize(lm: CausalLM, reader, layout: dict[str, Source], targets: dict[str, nn.Linear], method: str,
-              dtype: torch.dtype) -> None:
-    """Replace each target and the embedding with its quantized form, one tensor at a time."""
+              dtype: torch.dtype, int8_head: bool) -> None:
+    """Replace each target, the embedding and (``int8_head``) the output layer with its quantized form, one
+    tensor at a time."""
     for name, linear in targets.items():
         source = layout[f"{name}.weight"]
         types = {reader.tensor_type(part) for part in source.names}
@@ -223,6 +245,13 @@ def _quantize(lm: CausalLM, reader, layout: dict[str, Source], targets: dict[str
         layer = quantized_linear(method, build(reader, source), linear.bias, dtype, gguf_type, grid)
         setattr(lm.get_submodule(parent), child, layer)
     embedding = build(reader, layout["embed.weight"])
-    lm.embed = Int8Embedding(*int8_rows(embedding), dtype)
     if lm.spec.tie_word_embeddings:  # the output layer keeps its own dense copy (see hybridlb.model.quantized)
         lm.lm_head.weight.copy_(embedding)
+    if not int8_head:
+        lm.embed = Int8Embedding(*int8_rows(embedding), dtype)
+        return
+    head = embedding if lm.spec.tie_word_embeddings else build(reader, layout["lm_head.weight"])
+    lm.lm_head = Int8GroupLinear(*int8_groups(head), kernels.load(), lm.lm_head)
+    # A tied embedding reads the output layer's codes (one copy, the file's Q8_0 values exactly).
+    lm.embed = (Int8Embedding.tied_to(lm.lm_head, dtype) if lm.spec.tie_word_embeddings
+                else Int8Embedding(*int8_rows(embedding), dtype))

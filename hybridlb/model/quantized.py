@@ -12,12 +12,16 @@ the engine's int8 kernel or torch's CPU weight-only kernels, never holding a deq
   low), so their codes are kept as the file has them.
 * ``Int8Embedding``: the token embedding as int8 rows with a scale each, dequantized per looked-up row.
 
+* ``Int8GroupLinear``: a GGUF file's quantized output layer (Q8_0, ...) as int8 codes with a scale per
+  group of 32 inputs (Q8_0's grid), float32 logits, on int8.c where the CPU has AVX-512 VNNI.
+
 What is quantized (``loader.quantization_targets``): the attention's qkv and output projections, the
-dense MLP's gate-up and down projections, and the embedding. The output layer stays in the engine's
-dtype (a tied one gets its own copy, which bfloat16 engines hold packed): on this machine's 2 cores
-its 49,152 x 576 bfloat16 matmul took 1.8 ms at batch 1 and 4.6 ms at batch 16 against torch's int8
-kernel's 2.7 and 13.9 ms, and the logits keep the checkpoint's values. Norms, the MoE router and MoE
-experts stay in the engine's dtype.
+dense MLP's gate-up and down projections, and the embedding; with ``gguf`` also the output layer where
+the file holds it quantized and int8.c runs it (``loader._int8_head``; a tied one then shares its codes
+with the embedding). Otherwise the output layer stays in the engine's dtype (a tied one gets its own
+copy, which bfloat16 engines hold packed): on a 2-core AMD EPYC its 49,152 x 576 bfloat16 matmul took
+1.8 ms at batch 1 and 4.6 ms at batch 16 against torch's int8 kernel's 2.7 and 13.9 ms, and the logits
+keep the checkpoint's values. Norms, the MoE router and MoE experts stay in the engine's dtype.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ GROUP = 32
 PACK_ROWS = 16  # torch's 4-bit packing takes output sizes divisible by this (others are kept as int8)
 METHODS = ("int8", "int4", "gguf")
 INT8_MAX = 127
+GROUP_ROWS_MAX = 6  # Int8GroupLinear: steps of up to this many rows on the group-scaled codes (see there)
 
 
 def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,15 +156,78 @@ class Int4Linear(nn.Module):
         return torch._weight_int4pack_mm_for_cpu(eye, self.packed, GROUP, self.scales_and_zeros).float().T
 
 
-class Int8Embedding(nn.Module):
-    """Token embedding rows held as int8 with one scale per row (dequantized per looked-up row)."""
+def int8_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 codes [N, K] and float32 scales [N, K / GROUP] (float16 values) of a float weight, per
+    group of GROUP inputs of a row: GGUF Q8_0's grid, so a Q8_0 tensor's own codes and scales come back."""
+    rows, cols = weight.shape
+    groups = weight.float().reshape(rows, cols // GROUP, GROUP)
+    scale = (groups.abs().amax(dim=-1) / INT8_MAX).to(torch.float16).float()
+    steps = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.round(groups / steps[..., None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return codes.reshape(rows, cols), scale
 
-    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
+
+class Int8GroupLinear(nn.Module):
+    """A bias-free output layer whose GGUF tensor is quantized (Q8_0, ...): int8 codes with a scale per group
+    of GROUP inputs of each row (Q8_0's grid, as llama.cpp runs it) on int8.c for steps of up to
+    ``GROUP_ROWS_MAX`` rows (``CPUKernels.int8_group_matmul``, CPUs with AVX-512 VNNI), float32 logits;
+    ``dense`` (the same values in the engine's dtype, packed for bf16.c in bfloat16 engines) for more.
+
+    At batch 1 the codes stream half the bytes (SmolLM2: 28 + 1.8 MiB of codes and scales against
+    56 MiB of bfloat16): 0.67 ms against 1.18 on a 2-core Xeon. With more rows the per-group scaling
+    (18 groups per row of 576) costs more than the bytes save, and the dense matmul runs on AMX
+    tiles: at 16 rows 3.3 ms against 1.9. Per-row scales (``Int8Linear``, which tiles take) would
+    coarsen a Q8_0 row's grid ~1.8x on SmolLM2 (1.2 % weight error against bfloat16's 0.14 %) and
+    move its greedy tokens. Only the loader builds it (``loader._int8_head``)."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, found: kernels.CPUKernels, dense: nn.Linear):
         super().__init__()
-        self.register_buffer("codes", codes.contiguous())
-        self.register_buffer("scale", scale.to(dtype).contiguous())
+        self.out_features, self.in_features = codes.shape
+        self.kernels = found
+        self.register_buffer("packed", found.int8_pack(codes))
+        self.register_buffer("group_scales", found.int8_group_scales_pack(scale))
+        self.dense = dense
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of x [..., in_features] on the codes (``CausalLM.logits`` picks codes or ``dense``)."""
+        flat = x.reshape(-1, self.in_features).float()
+        out = self.kernels.int8_group_matmul(flat if flat.stride(-1) == 1 else flat.contiguous(), self.packed,
+                                             self.group_scales)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of the weight, float32, from the codes (in the panels a row is 4-byte pieces 64 bytes
+        apart)."""
+        panel, column = ids // kernels.PANEL, ids % kernels.PANEL
+        codes = self.packed[panel, :, column].flatten(-2).float()  # [..., K]
+        scale = self.group_scales[panel, :, column].float()  # [..., K / GROUP]
+        return (codes.unflatten(-1, (-1, GROUP)) * scale[..., None]).flatten(-2)
+
+    def dense_weight(self) -> torch.Tensor:
+        """The weight these codes stand for, in float32 (tests and tools)."""
+        return self.rows(torch.arange(self.out_features))
+
+
+class Int8Embedding(nn.Module):
+    """Token embedding rows held as int8 with one scale per row (dequantized per looked-up row), or a tied
+    ``Int8GroupLinear``'s rows (one copy of the codes serves both)."""
+
+    def __init__(self, codes: torch.Tensor | None, scale: torch.Tensor | None, dtype: torch.dtype,
+                 head: Int8GroupLinear | None = None):
+        super().__init__()
+        self.dtype = dtype
+        self.head = [head]  # a list: the output layer is not this module's child
+        if head is None:
+            self.register_buffer("codes", codes.contiguous())
+            self.register_buffer("scale", scale.to(dtype).contiguous())
+
+    @classmethod
+    def tied_to(cls, head: Int8GroupLinear, dtype: torch.dtype) -> Int8Embedding:
+        return cls(None, None, dtype, head)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.head[0] is not None:
+            return self.head[0].rows(ids).to(self.dtype)
         return self.codes[ids].to(self.scale.dtype) * self.scale[ids].unsqueeze(-1)
 
 

@@ -15,6 +15,7 @@ from hybridlb.model import memory
 from hybridlb.model.attention import AttentionBatch, PagedAttention
 from hybridlb.model.kernels import CPUKernels
 from hybridlb.model.layers import DenseMLP, ExpertDispatch, MoEBlock, PackedLinear, RMSNorm, RotaryEmbedding
+from hybridlb.model.quantized import GROUP_ROWS_MAX, Int8GroupLinear
 
 
 class SelfAttention(nn.Module):
@@ -109,9 +110,14 @@ class CausalLM(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits. On bf16.c they are its float32 sums: rounded to bfloat16 first (a step
         of 0.125 at SmolLM2's logit sizes) the top tokens of a prompt often tie."""
-        if isinstance(self.lm_head, PackedLinear):
-            return self.lm_head(hidden, torch.float32)
-        return self.lm_head(hidden).float()
+        head = self.lm_head
+        if isinstance(head, Int8GroupLinear):  # a GGUF file's quantized output layer: its codes for few rows
+            if hidden.shape[0] <= GROUP_ROWS_MAX:
+                return head(hidden)
+            head = head.dense
+        if isinstance(head, PackedLinear):
+            return head(hidden, torch.float32)
+        return head(hidden).float()
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.layers]

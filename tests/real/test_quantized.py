@@ -7,10 +7,11 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
+import torch
 
 from hybridlb import LLM, SamplingParams
 from hybridlb.model import kernels
-from hybridlb.model.quantized import Int4Linear
+from hybridlb.model.quantized import Int4Linear, Int8GroupLinear
 from tests.conftest import PROMPTS, SMOLLM2
 from tests.servers import Server, start_servers
 
@@ -84,13 +85,18 @@ def test_int8_at_load_follows_float32(smollm2_hf_dir):
                     reason="int4.c's matmul needs a CPU with AVX-512 BF16")
 def test_bfloat16_engine_runs_4_bit_blocks_on_its_own_kernel_and_follows_the_dequantized_one():
     """In bfloat16 (the default where the CPU has AVX-512 BF16) the file's 4-bit blocks run on int4.c:
-    each projection holds its blocks (no torch 4-bit layout, no dequantized copy) and greedy output
-    follows the bfloat16 engine that dequantizes the same file."""
+    each projection holds its blocks (no torch 4-bit layout, no dequantized copy), the Q8_0 output layer
+    keeps its codes, and greedy output follows the bfloat16 engine that dequantizes the same file."""
     greedy = SamplingParams(max_tokens=AGREE_TOKENS, temperature=0, ignore_eos=True)
     options = dict(max_model_len=512, num_kv_blocks=128, dtype="bfloat16", torch_threads=2)
     kept = LLM(SMOLLM2, quantization="gguf", **options)
-    layers = [m for m in kept.engine.runner.model.modules() if isinstance(m, Int4Linear)]
+    model = kept.engine.runner.model
+    layers = [m for m in model.modules() if isinstance(m, Int4Linear)]
     assert len(layers) == 4 * 30 and all(hasattr(m, "blocks") and not hasattr(m, "packed") for m in layers)
+    # The file's Q8_0 embedding, tied: one copy of its codes serves the lookup and the output layer.
+    assert isinstance(model.lm_head, Int8GroupLinear) and not hasattr(model.embed, "codes")
+    ids = torch.tensor([0, 1, 4095, 49151])
+    assert torch.equal(model.embed(ids), model.lm_head.rows(ids).to(torch.bfloat16))
     ours = [o.token_ids for o in kept.generate(PROMPTS, greedy)]
     del kept
     reference = [o.token_ids for o in LLM(SMOLLM2, **options).generate(PROMPTS, greedy)]

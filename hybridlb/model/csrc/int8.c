@@ -145,3 +145,125 @@ static inline void int8_tile_block(const uint8_t *bytes, int64_t k, const int8_t
 #define STORE(x) float_to_bf16(x)
 #define LOAD16(p) ((__m512)load16_bf16(p))
 #include "int8_body.h"
+#undef T
+#undef SUFFIX
+#undef STORE
+#undef LOAD16
+
+/* int8 codes with a scale per group of 32 inputs of each output row, GGUF's Q8_0 (the output layer of
+ * most GGUF files; hybridlb.model.quantized.Int8GroupLinear): float32 in and out,
+ *   out[m, n] = sum_g gscale[n][g] * sum_{k in group g} x[m, k] * codes[n, k].
+ * Same panels and 16-bit split inputs as int8_matmul; the integer sums restart every group (8 quads)
+ * and are scaled into float sums there. The code sums the split needs are taken per group on the fly
+ * (a vpdpbusd of ones against the line, shared by the rows), so only the codes and the group scales
+ * ([n / 16][k / 32][16] float16, 1 / 16 of the codes' bytes) are streamed. Inside a group everything is
+ * exact in int32 (|sum| <= 32 * 128 * 127 * 256 + 32 * 255 * 127). No AMX path: a tile sums 64 inputs
+ * deep, two groups. k must be a multiple of 32, n of 16. */
+#define GROUP_QUADS 8
+#define GROUP_ROWS 2
+#define GROUP_PANELS 2
+
+#ifdef INT8_VNNI
+static inline __attribute__((always_inline)) void int8_group_block(const uint8_t *bytes, int64_t k,
+                                                                   const int8_t *packed, const uint16_t *gscale,
+                                                                   const float *row_scale, int64_t first, const int R,
+                                                                   const int C, __m512 out[GROUP_ROWS][GROUP_PANELS]) {
+    int64_t quads = k / 4, groups = k / 32;
+    const __m512i ones = _mm512_set1_epi8(1);
+    const char *stream[GROUP_PANELS];
+    const uint16_t *scales[GROUP_PANELS];
+    for (int c = 0; c < C; c++) {
+        stream[c] = (const char *)(packed + (first + c) * quads * PANEL * 4);
+        scales[c] = gscale + (first + c) * groups * PANEL;
+        for (int r = 0; r < R; r++) out[r][c] = _mm512_setzero_ps();
+    }
+    for (int64_t g = 0; g < groups; g++) {
+        __m512i high[GROUP_ROWS][GROUP_PANELS], low[GROUP_ROWS][GROUP_PANELS], code_sum[GROUP_PANELS];
+        for (int c = 0; c < C; c++) {
+            code_sum[c] = _mm512_setzero_si512();
+            for (int r = 0; r < R; r++) high[r][c] = low[r][c] = _mm512_setzero_si512();
+        }
+        for (int64_t quad = g * GROUP_QUADS; quad < (g + 1) * GROUP_QUADS; quad++) {
+            __m512i w[GROUP_PANELS];
+            for (int c = 0; c < C; c++) {
+                _mm_prefetch(stream[c] + PREFETCH, _MM_HINT_T0);
+                w[c] = _mm512_loadu_si512(stream[c]);
+                stream[c] += 64;
+                code_sum[c] = _mm512_dpbusd_epi32(code_sum[c], ones, w[c]);
+            }
+            for (int r = 0; r < R; r++) {
+                int32_t h4, l4;
+                memcpy(&h4, bytes + 2 * r * k + 4 * quad, sizeof h4);
+                memcpy(&l4, bytes + (2 * r + 1) * k + 4 * quad, sizeof l4);
+                __m512i h = _mm512_set1_epi32(h4), l = _mm512_set1_epi32(l4);
+                for (int c = 0; c < C; c++) {
+                    high[r][c] = _mm512_dpbusd_epi32(high[r][c], h, w[c]);
+                    low[r][c] = _mm512_dpbusd_epi32(low[r][c], l, w[c]);
+                }
+            }
+        }
+        for (int c = 0; c < C; c++) {
+            __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales[c] + g * PANEL)));
+            __m512i offset = _mm512_slli_epi32(code_sum[c], 7); /* 128 sum(w) over the group */
+            for (int r = 0; r < R; r++) {
+                __m512i value = _mm512_add_epi32(_mm512_slli_epi32(_mm512_sub_epi32(high[r][c], offset), 8), low[r][c]);
+                out[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(value), scale, out[r][c]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) out[r][c] = _mm512_mul_ps(out[r][c], _mm512_set1_ps(row_scale[r]));
+}
+
+#define GROUP_BLOCK(R, C) int8_group_block(b, k, packed, gscale, row_scale + r0, first, R, C, sums)
+
+static void int8_group_panels(const uint8_t *bytes, const float *row_scale, const int8_t *packed,
+                              const uint16_t *gscale, float *out, int64_t m, int64_t n, int64_t k, int64_t begin,
+                              int64_t end) {
+    __m512 sums[GROUP_ROWS][GROUP_PANELS];
+    for (int64_t first = begin; first < end; first += GROUP_PANELS) {
+        int64_t count = end - first < GROUP_PANELS ? end - first : GROUP_PANELS;
+        for (int64_t r0 = 0; r0 < m; r0 += GROUP_ROWS) {
+            int64_t rows = m - r0 < GROUP_ROWS ? m - r0 : GROUP_ROWS;
+            const uint8_t *b = bytes + 2 * r0 * k;
+            if (count == 1) {
+                if (rows == 1) GROUP_BLOCK(1, 1); else GROUP_BLOCK(2, 1);
+            } else {
+                if (rows == 1) GROUP_BLOCK(1, 2); else GROUP_BLOCK(2, 2);
+            }
+            for (int64_t c = 0; c < count; c++)
+                for (int64_t r = 0; r < rows; r++)
+                    _mm512_storeu_ps(out + (r0 + r) * n + (first + c) * PANEL, sums[r][c]);
+        }
+    }
+}
+#undef GROUP_BLOCK
+#endif
+
+/* out [m, n] float32 (contiguous) = x [m, k] float32 (rows x_stride apart) @ W^T, W as codes packed by
+ * int8_pack with group scales gscale [n / 16][k / 32][16] float16. Does nothing where
+ * int8_matmul_supported() is 0. */
+void int8_group_matmul(const float *x, int64_t x_stride, const int8_t *packed, const uint16_t *gscale, float *out,
+                       int64_t m, int64_t n, int64_t k, int64_t threads) {
+#ifdef INT8_VNNI
+    int64_t panels = n / PANEL;
+    if (m <= 0) return;
+    uint8_t *bytes = malloc(2 * m * k + sizeof(float) * m);
+    float *row_scale = (float *)(bytes + 2 * m * k);
+    split_rows_f32(x, x_stride, m, k, bytes, row_scale, threads);
+    if (threads > panels) threads = panels;
+    if (threads <= 1 || MATMUL_SERIAL(m, n, k)) {
+        int8_group_panels(bytes, row_scale, packed, gscale, out, m, n, k, 0, panels);
+    } else {
+#pragma omp parallel num_threads(threads)
+        {
+            int64_t t = omp_get_thread_num(), parts = omp_get_num_threads();
+            int8_group_panels(bytes, row_scale, packed, gscale, out, m, n, k, panels * t / parts,
+                              panels * (t + 1) / parts);
+        }
+    }
+    free(bytes);
+#else
+    (void)x, (void)x_stride, (void)packed, (void)gscale, (void)out, (void)m, (void)n, (void)k, (void)threads;
+#endif
+}
