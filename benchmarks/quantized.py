@@ -47,16 +47,20 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def streamed_bytes(quantization: str | None) -> int:
-    """Bytes of weight one decode step reads: every projection and the output layer (the embedding is a
-    lookup of one row per token)."""
+    """Bytes of weight one batch-1 decode step reads: every projection and the output layer (the embedding
+    is a lookup of one row per token; an output layer kept as codes reads those, not its dense copy)."""
     from hybridlb.checkpoint.spec import load_spec
     from hybridlb.model.loader import load_model
+    from hybridlb.model.quantized import Int8GroupLinear
 
     spec = load_spec(SMOLLM2)
     model = load_model(SMOLLM2, spec, torch.bfloat16, torch.device("cpu"), 1024, quantization=quantization)
     total = 0
     for name, module in model.named_modules():
-        if name == "embed" or not name or list(module.children()):
+        if isinstance(module, Int8GroupLinear):
+            total += sum(t.numel() * t.element_size() for t in (module.packed, module.group_scales))
+            continue
+        if name == "embed" or name == "lm_head.dense" or not name or list(module.children()):
             continue
         tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
         if hasattr(module, "out_features"):
