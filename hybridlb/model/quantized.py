@@ -5,9 +5,9 @@ the engine's int8 kernel or torch's CPU weight-only kernels, never holding a deq
   own kernel at every batch (``csrc/int8.c``: the codes in panels streamed once, multiplied as
   integers, AVX-512 VNNI); on CPUs without VNNI on ``torch._weight_int8pack_mm``.
 * ``Int4Linear``: a 4-bit code per weight and, per block of ``GROUP`` (32) weights of a row, a scale
-  and a low value: ``w = scale * code + low``. bfloat16 engines run the engine's own kernel
-  (``csrc/int4.c``: codes in panels, scale and low in float16, AVX-512 BF16); float32 engines
-  torch's ``_weight_int4pack_mm_for_cpu`` (``w = scale * (code - 8) + zero``, torch's convention).
+  and a low value: ``w = scale * code + low``, multiplied with bfloat16 activations (in float32 engines
+  too) on the engine's own kernel (``csrc/int4.c``: codes in panels, scale and low in float16, AVX-512
+  BF16), elsewhere on torch's ``_weight_int4pack_mm_for_cpu`` (``w = scale * (code - 8) + zero``).
   GGUF's Q4_0 / Q4_1 blocks are exactly this grid (32 values, an affine 4-bit code, float16 scale and
   low), so their codes are kept as the file has them.
 * ``Int8Embedding``: the token embedding as int8 rows with a scale each, dequantized per looked-up row.
@@ -106,9 +106,15 @@ class Int8Linear(nn.Module):
 
 
 class Int4Linear(nn.Module):
-    """y = x @ W^T + bias with W held as 4-bit codes in groups of GROUP along the input dimension. In a
-    bfloat16 engine on a CPU with AVX-512 BF16 the codes, scales and lows (float16) sit in int4.c's
-    panel layout (``blocks``); otherwise in torch's 4-bit layout (``packed``) for its kernel."""
+    """y = x @ W^T + bias with W held as 4-bit codes in groups of GROUP along the input dimension. On a CPU
+    with AVX-512 BF16 the codes, scales and lows (float16) sit in int4.c's panel layout (``blocks``);
+    otherwise in torch's 4-bit layout (``packed``) for its kernel.
+
+    Both multiply bfloat16 activations, also in float32 engines (x is rounded to bfloat16 on the way in
+    and the outputs come back in float32): the rounding (2^-9 relative) is far under the 4-bit weights' own
+    step (1/15 of a group's range), and torch's float32 4-bit kernel is ~20x slower than its bfloat16 one
+    (SmolLM2's 3,072 x 576 gate-up at batch 1 on a 2-core Xeon: 2.0 ms against 91 us; int4.c: 45 us),
+    which made a float32 4-bit engine ~10x slower than the dense one it was to beat."""
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bias: torch.Tensor | None,
                  dtype: torch.dtype):
@@ -117,9 +123,9 @@ class Int4Linear(nn.Module):
         if self.in_features % GROUP or self.out_features % PACK_ROWS:
             raise ValueError(f"4-bit weights need an input size divisible by {GROUP} and an output size divisible "
                              f"by {PACK_ROWS}, got {self.out_features} x {self.in_features}")
-        self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.to(torch.bfloat16), requires_grad=False)
         self.dtype = dtype
-        found = kernels.load() if dtype == torch.bfloat16 else None
+        found = kernels.load()
         self.kernels = found if found is not None and found.int4_matmul_supported else None
         if self.kernels is not None:
             self.register_buffer("blocks", self.kernels.int4_pack(codes, scale, low))
@@ -128,7 +134,7 @@ class Int4Linear(nn.Module):
         # torch's convention, w = scale * (code - 8) + zero, so zero = low + 8 * scale; [K / GROUP, N, 2].
         zeros = low + 8 * scale
         self.register_buffer("scales_and_zeros", torch.stack((scale, zeros), dim=-1).transpose(0, 1)
-                             .to(dtype).contiguous())
+                             .to(torch.bfloat16).contiguous())
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
@@ -136,15 +142,16 @@ class Int4Linear(nn.Module):
         return cls(*int4_groups(weight, grid), bias, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(self.dtype)
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
         if self.kernels is not None:
             if flat.stride(-1) != 1:
                 flat = flat.contiguous()
-            return self.kernels.int4_matmul(flat, self.blocks, self.bias).reshape(*x.shape[:-1], self.out_features)
-        out = torch._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_and_zeros)
-        if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*x.shape[:-1], self.out_features)
+            out = self.kernels.int4_matmul(flat, self.blocks, self.bias)
+        else:
+            out = torch._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_and_zeros)
+            if self.bias is not None:
+                out = out + self.bias
+        return out.to(self.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def dense_weight(self) -> torch.Tensor:
         """The weight these codes stand for, in float32: from the held codes, scales and lows (int4.c's
@@ -152,7 +159,7 @@ class Int4Linear(nn.Module):
         if self.kernels is not None:
             codes, scale, low = self.kernels.int4_unpack(self.blocks)
             return (codes.float().reshape(*scale.shape, GROUP) * scale[..., None] + low[..., None]).reshape(codes.shape)
-        eye = torch.eye(self.in_features, dtype=self.scales_and_zeros.dtype)
+        eye = torch.eye(self.in_features, dtype=torch.bfloat16)
         return torch._weight_int4pack_mm_for_cpu(eye, self.packed, GROUP, self.scales_and_zeros).float().T
 
 

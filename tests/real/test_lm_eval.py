@@ -6,15 +6,12 @@ same tokens, and each generation equals transformers' greedy text."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.real.lm_eval_runner import TASKS, run_lm_eval
+
 pytest.importorskip("lm_eval")
 
 
@@ -22,20 +19,12 @@ pytest.importorskip("lm_eval")
 def lm_eval_run(smollm2_server, smollm2_hf_dir, tmp_path_factory) -> dict[str, list[dict]]:
     """One lm_eval run over both tasks; its logged samples per task."""
     out = tmp_path_factory.mktemp("lm_eval")
-    model_args = (f"model=smollm2,base_url={smollm2_server.url}/v1/completions,tokenizer={smollm2_hf_dir},"
-                  "tokenizer_backend=huggingface,num_concurrent=4,max_retries=1")
-    command = [sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args", model_args,
-               "--include_path", "tests/evals", "--tasks", "hybridlb_smoke_mc,hybridlb_smoke_gen",
-               "--output_path", str(out), "--log_samples", "--batch_size", "1"]
-    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    results = run_lm_eval(smollm2_server.url, smollm2_hf_dir, out, log_samples=True)
     samples = {}
-    for task in ("hybridlb_smoke_mc", "hybridlb_smoke_gen"):
+    for task in TASKS:
         files = list(out.rglob(f"samples_{task}_*.jsonl"))
-        assert files, f"no samples written for {task}: {run.stderr[-2000:]}"
+        assert files, f"no samples written for {task}"
         samples[task] = [json.loads(line) for line in files[0].read_text().splitlines()]
-    results = json.loads(next(out.rglob("results_*.json")).read_text())["results"]
     samples["results"] = results
     return samples
 

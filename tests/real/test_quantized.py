@@ -13,6 +13,7 @@ from hybridlb import LLM, SamplingParams
 from hybridlb.model import kernels
 from hybridlb.model.quantized import Int4Linear, Int8GroupLinear
 from tests.conftest import PROMPTS, SMOLLM2
+from tests.real.lm_eval_runner import run_lm_eval
 from tests.servers import Server, start_servers
 
 AGREE_TOKENS = 16
@@ -49,6 +50,16 @@ def test_kept_quantized_greedy_output_follows_the_dequantized_engine(servers):
     dense, kept = servers
     agreed = [_agreed(_greedy(dense.url, prompt), _greedy(kept.url, prompt)) for prompt in PROMPTS]
     assert sum(n == AGREE_TOKENS for n in agreed) >= 5, agreed  # most prompts agree on all 16 tokens
+
+
+def test_kept_quantized_lm_eval_scores_within_2_points_of_the_dequantized_engine(servers, smollm2_hf_dir, tmp_path):
+    """The repository's lm-eval tasks (tests/evals: 50 multiple-choice log-likelihood questions, 50 short
+    generations) through lm_eval's local-completions client, as users score a model."""
+    pytest.importorskip("lm_eval")
+    dense, kept = (run_lm_eval(server.url, smollm2_hf_dir, tmp_path / name)
+                   for server, name in zip(servers, ("dense", "kept"), strict=True))
+    for task, metric in (("hybridlb_smoke_mc", "acc,none"), ("hybridlb_smoke_gen", "exact_match,none")):
+        assert abs(kept[task][metric] - dense[task][metric]) <= 0.02, (task, kept[task], dense[task])
 
 
 def test_kept_quantized_server_answers_through_the_sdk(servers):
