@@ -46,26 +46,37 @@ AGREE = 16
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def streamed_bytes(quantization: str | None) -> int:
-    """Bytes of weight one batch-1 decode step reads: every projection and the output layer (the embedding
-    is a lookup of one row per token; an output layer kept as codes reads those, not its dense copy)."""
+def weight_bytes(quantization: str | None) -> dict:
+    """``streamed``: bytes of weight one batch-1 decode step reads (every projection and the output layer;
+    the embedding is a lookup of one row per token; an output layer kept as codes reads those, not its
+    dense copy). ``held``: bytes of every tensor the model holds as the engine holds it (packed for the
+    kernels; a tied output layer's packed copy and a kept-as-codes layer's dense copy included)."""
     from hybridlb.checkpoint.spec import load_spec
+    from hybridlb.model import kernels
     from hybridlb.model.loader import load_model
     from hybridlb.model.quantized import Int8GroupLinear
 
     spec = load_spec(SMOLLM2)
     model = load_model(SMOLLM2, spec, torch.bfloat16, torch.device("cpu"), 1024, quantization=quantization)
-    total = 0
+    streamed = 0
     for name, module in model.named_modules():
         if isinstance(module, Int8GroupLinear):
-            total += sum(t.numel() * t.element_size() for t in (module.packed, module.group_scales))
+            streamed += sum(t.numel() * t.element_size() for t in (module.packed, module.group_scales))
             continue
         if name == "embed" or name == "lm_head.dense" or not name or list(module.children()):
             continue
         tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
         if hasattr(module, "out_features"):
-            total += sum(t.numel() * t.element_size() for t in tensors)
-    return total
+            streamed += sum(t.numel() * t.element_size() for t in tensors)
+    found = kernels.load()
+    if found is not None:
+        model.use_cpu_kernels(found, pack_linears=True)
+    held = {}
+    for module in model.modules():
+        for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False),
+                       *(v for v in vars(module).values() if isinstance(v, torch.Tensor))]:
+            held[tensor.data_ptr()] = tensor.numel() * tensor.element_size()
+    return {"streamed": streamed, "held": sum(held.values())}
 
 
 def greedy(url: str) -> list[list[str]]:
@@ -135,7 +146,8 @@ def main() -> None:
     tokenizer_dir = None if args.no_lm_eval else smollm2_hf_dir(args.models_dir)
     streaming = weight_streaming(torch.bfloat16, 20, engine_path())  # nothing else running; the engine's path
     print(f"bfloat16 batch-1 weight streaming: {streaming['gb_s']:.1f} GB/s", flush=True)
-    step_bytes = {name: streamed_bytes(flags[1] if flags else None) for name, flags in CONFIGS.items()}
+    weights = {name: weight_bytes(flags[1] if flags else None) for name, flags in CONFIGS.items()}
+    step_bytes = {name: w["streamed"] for name, w in weights.items()}
     runs: dict[str, list[dict]] = {name: [] for name in CONFIGS}
     names = list(CONFIGS)
     for round_ in range(args.rounds):
@@ -147,6 +159,7 @@ def main() -> None:
     rows = []
     for name in names:
         row = {"config": name, "weight_mb_per_step": step_bytes[name] / 1e6,
+               "weights_held_mib": weights[name]["held"] / 2**20,
                "rss_mib": statistics.median(r["rss_mib"] for r in runs[name])}
         for shape in ("c1", "c16"):
             for metric in ("output_tok_s", "mean_tpot_ms", "mean_ttft_ms"):
@@ -168,11 +181,14 @@ def main() -> None:
         row["c16_speedup"] = row["c16_output_tok_s"] / base["c16_output_tok_s"]
         row["rss_ratio"] = row["rss_mib"] / base["rss_mib"]
         row["weight_ratio"] = row["weight_mb_per_step"] / base["weight_mb_per_step"]
-    print("\n| config | c1 tok/s | × bf16 | c16 tok/s | × bf16 | weights/step MB | c1 GB/s (of streaming) | RSS MiB |")
+        row["weights_held_ratio"] = row["weights_held_mib"] / base["weights_held_mib"]
+    print("\n| config | c1 tok/s | × bf16 | c16 tok/s | × bf16 | weights/step MB | c1 GB/s (of streaming) | RSS MiB "
+          "| weights held MiB |")
     for row in rows:
         print(f"| {row['config']} | {row['c1_output_tok_s']:.1f} | {row['c1_speedup']:.2f} | "
               f"{row['c16_output_tok_s']:.0f} | {row['c16_speedup']:.2f} | {row['weight_mb_per_step']:.0f} | "
-              f"{row['c1_gb_s']:.1f} ({row['c1_fraction_of_streaming']:.0%}) | {row['rss_mib']:.0f} |")
+              f"{row['c1_gb_s']:.1f} ({row['c1_fraction_of_streaming']:.0%}) | {row['rss_mib']:.0f} | "
+              f"{row['weights_held_mib']:.0f} ({row['weights_held_ratio']:.2f}x) |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": stamp(rounds=args.rounds), "streaming": streaming, "rows": rows,
                                     "runs": runs}, indent=1))
