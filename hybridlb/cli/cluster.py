@@ -1,4 +1,4 @@
-"""``hybridlb up / status / down``: a cluster placed on Ray (``hybridlb.launch.ray_driver``)."""
+"""``hybridlb up / status / down``: a cluster placed on Ray (``hybridlb.launch.ray_driver``, ``ray_admin``)."""
 
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ def up(
     name: Annotated[str | None, typer.Option(help="Cluster name (default: ray.name, 'default').")] = None,
 ):
     """Place the cluster on Ray: per node an API server and its engines, one coordinator."""
-    from hybridlb.launch.ray_driver import UpError
     from hybridlb.launch.ray_driver import up as ray_up
+    from hybridlb.launch.ray_session import UpError
 
     cfg, plan = _whole_cluster(config, {"ray": dict(address=address, name=name)})
     check_model_options(cfg)
@@ -56,8 +56,8 @@ def status(
             fail(str(exc))
         typer.echo(text)
         raise typer.Exit(0 if healthy else 1)
-    from hybridlb.launch.ray_driver import UpError
-    from hybridlb.launch.ray_driver import status as ray_status
+    from hybridlb.launch.ray_admin import status as ray_status
+    from hybridlb.launch.ray_session import UpError
 
     try:
         rows = ray_status(name, address, namespace)
@@ -76,8 +76,8 @@ def down(
     namespace: Annotated[str, typer.Option()] = "hybridlb",
 ):
     """Stop every actor of a cluster and release its placement group."""
-    from hybridlb.launch.ray_driver import UpError
-    from hybridlb.launch.ray_driver import down as ray_down
+    from hybridlb.launch.ray_admin import down as ray_down
+    from hybridlb.launch.ray_session import UpError
 
     try:
         missing = ray_down(name, address, namespace)

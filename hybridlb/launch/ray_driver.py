@@ -1,4 +1,5 @@
-"""``hybridlb up / status / down``: the cluster placed on Ray by one driver.
+"""``hybridlb up``: the cluster placed on Ray by one driver (joining Ray: ``ray_session``; ``status`` /
+``down`` of a running cluster: ``ray_admin``).
 
 ``up`` lays the cluster out (``hybridlb.plan``), checks it fits the Ray cluster before
 starting anything, reserves one placement-group bundle per node (STRICT_SPREAD, each
@@ -12,18 +13,14 @@ actors outlive the driver, and ``status`` / ``down`` find them by name.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import math
 import os
 import secrets
-import signal
-import socket
 import time
 from collections.abc import Callable
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from hybridlb import lifecycle
@@ -38,109 +35,22 @@ from hybridlb.launch.ray_actors import (
     EngineActor,
     SupervisorActor,
     free_ports,
-    remove_runtime_dir,
+)
+from hybridlb.launch.ray_admin import down, named
+from hybridlb.launch.ray_session import (
+    UpError,
+    actor_name,
+    connect,
+    dashboard_line,
+    kill_private,
+    shutdown_private,
+    wait_for,
 )
 from hybridlb.launch.supervisor import local_url
 from hybridlb.plan import ClusterPlan, NodePlan
 from hybridlb.transport import cluster_token
 
 log = logging.getLogger("hybridlb.up")
-
-
-class UpError(RuntimeError):
-    """The cluster cannot be placed or started; the message says why and what to change."""
-
-
-def actor_name(cluster: str, role: str, index: int | str | None = None) -> str:
-    return f"hybridlb:{cluster}:{role}" + ("" if index is None else f":{index}")
-
-
-_ray_context = None  # what ray.init returned (its dashboard URL)
-
-
-def connect(address: str | None, namespace: str, num_cpus: float | None = None) -> None:
-    """Join the Ray cluster at ``address``, or start a private local one with at least
-    ``num_cpus`` logical CPUs (Ray's unit of placement, not a thread count: engines set
-    their torch threads themselves), so the config fits however many cores this machine has."""
-    global _ray_context
-    if ray.is_initialized():
-        return
-    local = {}
-    if not address:
-        local = {"num_cpus": max(os.cpu_count() or 1, math.ceil(num_cpus or 0)), "include_dashboard": True}
-    _ray_context = ray.init(address=address or "local", namespace=namespace, log_to_driver=False, **local)
-
-
-def ray_address_file() -> str:
-    """Where ``ray start`` records the address of this machine's Ray cluster (Ray's own rule)."""
-    temp = os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp"
-    return os.path.join(temp, "ray", "ray_current_cluster")
-
-
-def attach(address: str | None, namespace: str) -> None:
-    """Join a running Ray cluster for ``status`` / ``down``: ``address``, else ``RAY_ADDRESS``, else
-    the one ``ray start`` recorded on this machine. UpError with one line saying why not (none
-    running, a stale address file, the cluster's token needed), never a Ray traceback."""
-    if ray.is_initialized():
-        return
-    source = "--address"
-    if not address:
-        address, source = os.environ.get("RAY_ADDRESS"), "RAY_ADDRESS"
-    if not address or address == "auto":
-        address, source = _recorded_address(), ray_address_file()
-    if not address:
-        raise UpError("no Ray cluster is running on this machine (nothing recorded in "
-                      f"{ray_address_file()}); a cluster `hybridlb up` started without --address is private to "
-                      "that command: ask its API server with `hybridlb status --url http://127.0.0.1:8000`")
-    host, _, port = address.rpartition(":")
-    if not port.isdigit() or not _answers(host or "127.0.0.1", int(port)):
-        stale = "" if source in ("--address", "RAY_ADDRESS") else \
-            " (a stale address file, left by a cluster that is gone: ignored; remove it, or pass --address)"
-        raise UpError(f"no Ray cluster answers at {address}, the address from {source}{stale}")
-    try:
-        ray.init(address=address, namespace=namespace, log_to_driver=False, logging_level=logging.ERROR)
-    except Exception as exc:  # Ray raises many kinds here; the user needs one line, not its stack
-        raise UpError(_attach_failure(address, exc)) from None
-
-
-def _recorded_address() -> str | None:
-    try:
-        with open(ray_address_file()) as handle:
-            return handle.read().strip() or None
-    except OSError:
-        return None
-
-
-def _answers(host: str, port: int) -> bool:
-    """Whether anything accepts a TCP connection at host:port (a cluster that is gone does not)."""
-    try:
-        socket.create_connection((host, port), timeout=3).close()
-        return True
-    except OSError:
-        return False
-
-
-def _attach_failure(address: str, exc: Exception) -> str:
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    if "authentication" in str(exc).lower() or "token" in str(exc).lower():
-        return (f"the Ray cluster at {address} requires its authentication token: run this where `ray "
-                "get-auth-token` prints it (~/.ray/auth_token), or set RAY_AUTH_TOKEN to it")
-    return f"cannot join the Ray cluster at {address}: {type(exc).__name__}: {text[:300]}"
-
-
-def wait_for(refs, timeout_s: float, check: Callable[[], None]):
-    """``ray.get(refs)``, waiting in short slices and calling ``check()`` between them (it raises to
-    give up: a stop asked for). A signal handler cannot raise out of Ray's own blocking wait, so a
-    launcher that must stop mid start-up polls instead."""
-    pending = refs if isinstance(refs, list) else [refs]
-    deadline = time.monotonic() + timeout_s
-    while True:
-        _, waiting = ray.wait(pending, num_returns=len(pending), timeout=0.25)
-        if not waiting:
-            return ray.get(refs)
-        check()
-        if time.monotonic() > deadline:
-            raise ray.exceptions.GetTimeoutError(f"not ready within {timeout_s:.0f} s")
 
 
 class Placement:
@@ -323,7 +233,7 @@ def up(config: Config, plan: ClusterPlan, detach: bool) -> int:
                       "`ray start --head` and pass --address auto")
     private = not config.ray.address  # a local Ray cluster of our own, gone when we return
     what = f"cluster {config.ray.name!r}" + (" and its private Ray cluster" if private else "")
-    force = _kill_private if private else lambda: None
+    force = kill_private if private else lambda: None
     connecting = True
 
     def on_stop() -> None:
@@ -342,7 +252,7 @@ def up(config: Config, plan: ClusterPlan, detach: bool) -> int:
         connecting = False
         signals.install()  # ray.init sets a SIGTERM handler of its own
         signals.check()
-        if actor_name(config.ray.name, "pg") in _named(config.ray.namespace, prefix=f"hybridlb:{config.ray.name}:"):
+        if actor_name(config.ray.name, "pg") in named(config.ray.namespace, prefix=f"hybridlb:{config.ray.name}:"):
             raise UpError(f"a cluster named {config.ray.name!r} is already up; `hybridlb down {config.ray.name}` "
                           "first")
         cluster = RayCluster(config, plan, detach, private, check=signals.check)
@@ -350,7 +260,7 @@ def up(config: Config, plan: ClusterPlan, detach: bool) -> int:
         signals.starting = False
         print(f"hybridlb cluster {config.ray.name!r} is ready in {time.monotonic() - started:.1f} s "
               f"(model {config.served_model_name!r}, {plan.mode} LB, {plan.size} ranks)\n{cluster.table()}\n"
-              f"{_dashboard_line(private)}", flush=True)
+              f"{dashboard_line(private)}", flush=True)
         if detach:
             print(f"detached: `hybridlb status {config.ray.name}` / `hybridlb down {config.ray.name}`", flush=True)
             return 0
@@ -376,93 +286,4 @@ def up(config: Config, plan: ClusterPlan, detach: bool) -> int:
         if cluster is not None and not detach:
             cluster.stop()
         if private and ray.is_initialized():
-            _shutdown_private()
-
-
-def _dashboard_line(private: bool) -> str:
-    """Where the Ray dashboard is and how to open it (Ray asks for its token when token auth is on)."""
-    url = getattr(_ray_context, "dashboard_url", None) or ""
-    if not url:
-        return "Ray dashboard: not running (start Ray with its dashboard to see the actors)"
-    line = f"Ray dashboard: {url if url.startswith('http') else 'http://' + url}"
-    if os.environ.get("RAY_AUTH_MODE", "").lower() == "token":
-        line += (" - it asks for this cluster's token: `ray get-auth-token` prints it (it is kept in "
-                 "~/.ray/auth_token)")
-    return line + ("; it closes with this command" if private else "")
-
-
-def _kill_private() -> None:
-    """Ctrl-C twice: SIGKILL the private Ray cluster (every process this driver started) now."""
-    for pid in lifecycle.descendants():
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-
-
-def _shutdown_private() -> None:
-    """Stop the Ray cluster ``up`` started, and return only once its processes have exited."""
-    ray_processes = lifecycle.descendants()
-    ray.shutdown()
-    if left := lifecycle.wait_gone(ray_processes, timeout_s=20):
-        log.warning("%d processes of the local Ray cluster are still running: %s", len(left), left)
-
-
-def _remove_runtime_dirs(name: str, group) -> None:
-    """Remove the cluster's directory on each of its nodes (one task per bundle)."""
-    tasks = [remove_runtime_dir.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
-        placement_group=group, placement_group_bundle_index=index)).remote(name)
-        for index in range(len(group.bundle_specs))]
-    with contextlib.suppress(Exception):
-        ray.get(tasks, timeout=20)
-
-
-def _named(namespace: str, prefix: str) -> list[str]:
-    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                  if a["namespace"] == namespace and a["name"].startswith(prefix)) + _groups(prefix)
-
-
-def _groups(prefix: str) -> list[str]:
-    table = ray.util.placement_group_table()
-    return [pg["name"] for pg in table.values() if pg["name"].startswith(prefix) and pg["state"] != "REMOVED"]
-
-
-def status(name: str, address: str | None, namespace: str) -> list[dict]:
-    """Every actor of cluster ``name``: its state, node and (engines) load."""
-    attach(address, namespace)
-    from ray.util.state import list_actors
-
-    prefix = f"hybridlb:{name}:"
-    rows = []
-    for actor in list_actors(filters=[("ray_namespace", "=", namespace)], limit=10_000):
-        if not (actor.name or "").startswith(prefix):
-            continue
-        row = {"name": actor.name, "state": actor.state, "node": (actor.node_id or "")[:12], "load": ""}
-        if actor.state == "ALIVE" and ":engine:" in actor.name:
-            try:
-                stats = ray.get(ray.get_actor(actor.name, namespace).stats.remote(), timeout=5)
-                row["load"] = f"running {stats['num_running']}, waiting {stats['num_waiting']}, " \
-                              f"kv {stats['kv_usage']:.0%}" + ("" if stats["alive"] else " (engine loop stopped)")
-            except Exception as exc:
-                row["load"] = f"no answer ({type(exc).__name__})"
-        rows.append(row)
-    return sorted(rows, key=lambda r: r["name"])
-
-
-def down(name: str, address: str | None = None, namespace: str = "hybridlb", quiet: bool = False) -> int:
-    """Stop and remove every actor and the placement group of cluster ``name``."""
-    attach(address, namespace)
-    prefix = f"hybridlb:{name}:"
-    names = [n for n in _named(namespace, prefix) if not n.endswith(":pg")]
-    for actor_id in names:
-        # Ask for a clean stop first (closes sockets), then make sure it is gone.
-        with contextlib.suppress(Exception):
-            ray.get(ray.get_actor(actor_id, namespace).stop.remote(), timeout=10)
-        with contextlib.suppress(ValueError):
-            ray.kill(ray.get_actor(actor_id, namespace), no_restart=True)
-    groups = _groups(prefix)
-    for group_name in groups:
-        group = ray.util.get_placement_group(group_name)
-        _remove_runtime_dirs(name, group)
-        remove_placement_group(group)
-    if not quiet:
-        print(f"stopped {len(names)} actors and {len(groups)} placement group(s) of {name!r}")
-    return 0 if names or groups else 1
+            shutdown_private()

@@ -15,7 +15,7 @@ import pytest
 import ray
 from ray.util.state import list_actors
 
-from hybridlb.launch.ray_driver import status
+from hybridlb.launch.ray_admin import status
 from tests.conftest import SMOLLM2
 from tests.dp.test_clusters import burst
 from tests.faults.streams import Streams

@@ -9,7 +9,9 @@ import pytest
 import ray
 
 from hybridlb.config import parse_config
-from hybridlb.launch.ray_driver import RayCluster, UpError, down, status, up
+from hybridlb.launch.ray_admin import down, status
+from hybridlb.launch.ray_driver import RayCluster, up
+from hybridlb.launch.ray_session import UpError
 from hybridlb.plan import plan_cluster
 from tests.dp.test_clusters import burst, served_per_engine
 from tests.ray.conftest import NODE_RESOURCES
