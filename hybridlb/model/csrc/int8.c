@@ -49,6 +49,23 @@ int64_t int8_matmul_supported(void) {
 }
 
 #ifdef INT8_VNNI
+/* Quad ``quad`` of split rows [0, R) against the panels' lines w[0, C): each row's high' and low bytes
+ * broadcast and multiplied into its sums (R and C constants after inlining). */
+static inline __attribute__((always_inline)) void int8_quad(const uint8_t *bytes, int64_t k, int64_t quad, const int R,
+                                                            const int C, const __m512i w[PANELS],
+                                                            __m512i high[ROWS][PANELS], __m512i low[ROWS][PANELS]) {
+    for (int r = 0; r < R; r++) {
+        int32_t h4, l4;
+        memcpy(&h4, bytes + 2 * r * k + 4 * quad, sizeof h4);
+        memcpy(&l4, bytes + (2 * r + 1) * k + 4 * quad, sizeof l4);
+        __m512i h = _mm512_set1_epi32(h4), l = _mm512_set1_epi32(l4);
+        for (int c = 0; c < C; c++) {
+            high[r][c] = _mm512_dpbusd_epi32(high[r][c], h, w[c]);
+            low[r][c] = _mm512_dpbusd_epi32(low[r][c], l, w[c]);
+        }
+    }
+}
+
 /* One row's 16 sums in x's units from its high' and low byte sums: 256 (high' - 128 sum(w)) + low,
  * times the row's step (sum_w128: 128 sum(w) per column). */
 static inline __m512 int8_value(__m512i high, __m512i low, __m512i sum_w128, float row_scale) {
@@ -76,16 +93,7 @@ static inline __attribute__((always_inline)) void int8_block(const uint8_t *byte
             w[c] = _mm512_loadu_si512(stream[c]);
             stream[c] += 64;
         }
-        for (int r = 0; r < R; r++) {
-            int32_t h4, l4;
-            memcpy(&h4, bytes + 2 * r * k + 4 * quad, sizeof h4);
-            memcpy(&l4, bytes + (2 * r + 1) * k + 4 * quad, sizeof l4);
-            __m512i h = _mm512_set1_epi32(h4), l = _mm512_set1_epi32(l4);
-            for (int c = 0; c < C; c++) {
-                high[r][c] = _mm512_dpbusd_epi32(high[r][c], h, w[c]);
-                low[r][c] = _mm512_dpbusd_epi32(low[r][c], l, w[c]);
-            }
-        }
+        int8_quad(bytes, k, quad, R, C, w, high, low);
     }
     for (int c = 0; c < C; c++) {
         __m512i sums = _mm512_slli_epi32(_mm512_loadu_si512(code_sums + (first + c) * PANEL), 7); /* 128 sum(w) */
@@ -178,29 +186,20 @@ static inline __attribute__((always_inline)) void int8_group_block(const uint8_t
         for (int r = 0; r < R; r++) out[r][c] = _mm512_setzero_ps();
     }
     for (int64_t g = 0; g < groups; g++) {
-        __m512i high[GROUP_ROWS][GROUP_PANELS], low[GROUP_ROWS][GROUP_PANELS], code_sum[GROUP_PANELS];
+        __m512i high[ROWS][PANELS], low[ROWS][PANELS], code_sum[GROUP_PANELS];
         for (int c = 0; c < C; c++) {
             code_sum[c] = _mm512_setzero_si512();
             for (int r = 0; r < R; r++) high[r][c] = low[r][c] = _mm512_setzero_si512();
         }
         for (int64_t quad = g * GROUP_QUADS; quad < (g + 1) * GROUP_QUADS; quad++) {
-            __m512i w[GROUP_PANELS];
+            __m512i w[PANELS];
             for (int c = 0; c < C; c++) {
                 _mm_prefetch(stream[c] + PREFETCH, _MM_HINT_T0);
                 w[c] = _mm512_loadu_si512(stream[c]);
                 stream[c] += 64;
                 code_sum[c] = _mm512_dpbusd_epi32(code_sum[c], ones, w[c]);
             }
-            for (int r = 0; r < R; r++) {
-                int32_t h4, l4;
-                memcpy(&h4, bytes + 2 * r * k + 4 * quad, sizeof h4);
-                memcpy(&l4, bytes + (2 * r + 1) * k + 4 * quad, sizeof l4);
-                __m512i h = _mm512_set1_epi32(h4), l = _mm512_set1_epi32(l4);
-                for (int c = 0; c < C; c++) {
-                    high[r][c] = _mm512_dpbusd_epi32(high[r][c], h, w[c]);
-                    low[r][c] = _mm512_dpbusd_epi32(low[r][c], l, w[c]);
-                }
-            }
+            int8_quad(bytes, k, quad, R, C, w, high, low);
         }
         for (int c = 0; c < C; c++) {
             __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales[c] + g * PANEL)));
