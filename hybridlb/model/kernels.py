@@ -216,7 +216,6 @@ class CPUKernels:
         )
         return out
 
-
     @staticmethod
     def int8_group_scales_pack(scale: torch.Tensor) -> torch.Tensor:
         """Per-group scales [n, k / 32] as ``int8_group_matmul`` reads them: float16, [n / 16, k / 32, 16]."""
