@@ -74,6 +74,17 @@ def test_cache_aware_never_picks_a_rank_far_busier_than_the_least_loaded():
     assert choose_cache_aware(_ranks((MAX_LOAD_GAP + 1, 0, *full), (0, 0, 0, 1.0)), 4100, start=0) == 1  # past it
 
 
+def test_cache_aware_weighs_each_request_by_the_steps_it_shares_with_the_new_one():
+    # (requests, prefill, cached, pressure, decode_load): rank 0's 10 requests have 12 tokens
+    # to go, rank 1's 4 have 120: a prompt that may generate 120 shares 10 x 12 / 120 = 1
+    # request's worth of steps on rank 0 and 4 on rank 1.
+    ranks = _ranks((10, 0, 0, 0.0, 1.0), (4, 0, 0, 0.0, 4.0))
+    assert [choose_cache_aware(ranks, 20, s) for s in range(2)] == [0, 0]
+    # A prompt of 12 tokens shares every step of all of them: the fewer requests win.
+    ranks = _ranks((10, 0, 0, 0.0, 10.0), (4, 0, 0, 0.0, 4.0))
+    assert [choose_cache_aware(ranks, 20, s) for s in range(2)] == [1, 1]
+
+
 def test_cache_aware_without_any_cache_or_queue_is_least_loaded():
     for loads in ([0, 0, 0], [2, 1, 3], [1, 0, 0]):
         ranks = [RankView(load, 0, 0, 0.0) for load in loads]
@@ -89,3 +100,36 @@ def test_the_prefix_index_forgets_evicted_blocks_and_old_prompts():
     index.record([7, 8, 9])  # over capacity: the oldest prompt's blocks go, tail first
     assert index.matched([7, 8, 9]) == 3 and len(index) == 4
     assert index.matched([1]) == 1 and 3 not in index.blocks
+
+
+def test_a_connection_counts_each_requests_tokens_to_go_down_as_they_arrive():
+    """What ``decode_load`` reads: each request's max_tokens (else the model length's room),
+    less what it has generated; gone once released."""
+    import asyncio
+
+    import zmq.asyncio
+
+    from hybridlb.api.engine_client import EngineConnection
+    from hybridlb.params import SamplingParams
+    from hybridlb.protocol import EngineReady, RequestOutput
+
+    async def main():
+        context = zmq.asyncio.Context()
+        connection = EngineConnection(0, "tcp://127.0.0.1:9", "balance-test", context)  # never answers
+        connection.info = EngineReady(0, "m", max_model_len=512, vocab_size=8, num_kv_blocks=8, block_size=16,
+                                      eos_token_ids=[])
+        connection.alive = True
+        try:
+            connection.add("long", [1] * 100, SamplingParams(max_tokens=120))
+            connection.add("short", [1] * 4, SamplingParams(max_tokens=12))
+            connection.add("open", [1] * 12, SamplingParams(max_tokens=None))  # up to 500 more
+            assert connection.decode_load(120) == (120 + 12 + 120) / 120
+            connection._dispatch([RequestOutput("short", [5] * 6), RequestOutput("long", [5] * 60)])
+            assert connection.decode_load(120) == (60 + 6 + 120) / 120
+            connection.release("open", abort=False)
+            assert connection.decode_load(600) == (60 + 6) / 600
+        finally:
+            connection.socket.close(linger=0)
+            context.destroy(linger=0)
+
+    asyncio.run(main())

@@ -40,6 +40,10 @@ class RankView(NamedTuple):
     prefill_tokens: int  # prompt tokens this server sent there that are not prefilled yet (no first token)
     cached_tokens: int  # of this prompt's, held there by this server's PrefixIndex
     pressure: float  # share of the rank's KV pool the index holds reusable prompts in (0 to 1)
+    # the requests this one would decode beside, each weighted by the share of its steps it is
+    # still there for: min(its tokens left, this one's max tokens) / this one's max tokens.
+    # None: ``requests`` (all there for every step)
+    decode_load: float | None = None
 
 
 # cache_aware prices a rank in prompt tokens to prefill:
@@ -49,7 +53,13 @@ class RankView(NamedTuple):
 # + uncached * (1 + pressure)       this prompt's tokens the rank would compute; a full cache
 #                                   also loses what the new blocks evict (a prefix other
 #                                   requests may need), so a replica costs up to twice
-# + TOKENS_PER_REQUEST * requests   each request decoding there slows every step of this one
+# + TOKENS_PER_REQUEST * decode_load  each request decoding there slows the steps of this one
+#                                   it is still there for: a request with 12 tokens to go
+#                                   weighs a tenth on a prompt that may generate 120, a whole
+#                                   one on a prompt of 12. Counting requests alone, a burst
+#                                   of long and short requests could stack the long ones on
+#                                   one rank (same counts, ten times the steps) while the
+#                                   other idles after a few steps.
 #
 # A 1,000-token prefix cached on one rank outweighs ~8 requests of load there (~16 once the
 # other rank's cache is full), unless that rank still has as much prefill queued: then the
@@ -67,7 +77,8 @@ def serve_cost(rank: RankView, prompt_tokens: int) -> float:
     """What serving a ``prompt_tokens`` prompt on ``rank`` costs, in prompt tokens (see above)."""
     cached = rank.cached_tokens if rank.cached_tokens >= MIN_CACHED_TOKENS else 0
     uncached = max(0, prompt_tokens - cached)
-    return rank.prefill_tokens + uncached * (1 + rank.pressure) + TOKENS_PER_REQUEST * rank.requests
+    decoding = rank.requests if rank.decode_load is None else rank.decode_load
+    return rank.prefill_tokens + uncached * (1 + rank.pressure) + TOKENS_PER_REQUEST * decoding
 
 
 def choose_cache_aware(ranks: list[RankView], prompt_tokens: int, start: int, max_gap: int = MAX_LOAD_GAP) -> int:

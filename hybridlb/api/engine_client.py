@@ -88,6 +88,9 @@ class EngineConnection:
         # request id -> its prompt tokens the engine still has to prefill (as estimated when
         # sent), until its first output: the queue a new prompt's first token waits behind
         self.prefilling: dict[str, int] = {}
+        # request id -> how many more tokens it may generate (its max_tokens, else up to the
+        # model length), counted down as they arrive: how long it will keep the rank busy
+        self.budgets: dict[str, int] = {}
         self.adapters_sent: dict[str, float] = {}  # LoRA adapter -> when this server last sent a request for it
         self.info: EngineReady | None = None
         self.alive = False
@@ -134,6 +137,7 @@ class EngineConnection:
         queue: asyncio.Queue = asyncio.Queue()
         self.streams[request_id] = queue
         self.prefilling[request_id] = max(0, len(prompt_token_ids) + len(resumed) - cached_tokens)
+        self.budgets[request_id] = self.output_budget(len(prompt_token_ids), params, len(resumed))
         self._send(AddRequest(request_id, prompt_token_ids, params, wave, resumed))
         if params.lora is not None:
             self.adapters_sent[params.lora.name] = time.monotonic()
@@ -144,6 +148,7 @@ class EngineConnection:
         engine is unreachable: if it comes back without having restarted, it still runs it)."""
         self.streams.pop(request_id, None)
         self.prefilling.pop(request_id, None)
+        self.budgets.pop(request_id, None)
         if abort:
             self._send(AbortRequests([request_id]))
 
@@ -217,6 +222,7 @@ class EngineConnection:
             queue.put_nowait(failure)
         self.streams.clear()
         self.prefilling.clear()
+        self.budgets.clear()
         if ids and self.alive:
             self._send(AbortRequests(ids))
 
@@ -262,12 +268,29 @@ class EngineConnection:
         recent = {name for name, sent in self.adapters_sent.items() if now - sent < ADAPTER_SENT_S}
         return recent | set(self.stats.lora_loaded if self.stats is not None else ())
 
-    def cache_view(self, hashes: list[int]) -> RankView:
-        """What ``cache_aware`` weighs for this rank, for a prompt with block ``hashes``."""
+    def output_budget(self, prompt_tokens: int, params: SamplingParams, done: int = 0) -> int:
+        """How many tokens a request may still generate here: its ``max_tokens`` less the
+        ``done`` a migrated one already has, bounded by the model length."""
+        room = (self.info.max_model_len if self.info is not None else 1 << 20) - prompt_tokens - done
+        wanted = params.max_tokens - done if params.max_tokens is not None else room
+        return max(1, min(wanted, room))
+
+    def decode_load(self, budget: int) -> float:
+        """The requests on the rank a new one generating up to ``budget`` tokens would decode
+        beside, each weighted by the share of those steps it is still there for
+        (``balance.RankView.decode_load``): this server's own by their remaining budgets,
+        requests only the stats show (other API servers') as there for all of them."""
+        own = sum(min(max(0, left), budget) for left in self.budgets.values()) / max(1, budget)
+        return own + max(0, sum(self._reported) - len(self.budgets))
+
+    def cache_view(self, hashes: list[int], budget: int = 1) -> RankView:
+        """What ``cache_aware`` weighs for this rank, for a prompt with block ``hashes`` that
+        may generate ``budget`` tokens."""
         return RankView(requests=self.requests,
                         prefill_tokens=sum(self.prefilling.values()),
                         cached_tokens=self.cached_tokens(hashes),
-                        pressure=len(self.prefix) / self.prefix.capacity if self.prefix is not None else 0.0)
+                        pressure=len(self.prefix) / self.prefix.capacity if self.prefix is not None else 0.0,
+                        decode_load=self.decode_load(budget))
 
     def cached_tokens(self, hashes: list[int]) -> int:
         """How many leading prompt tokens (of block ``hashes``) this server believes the rank caches."""
@@ -278,6 +301,8 @@ class EngineConnection:
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
             self.prefilling.pop(output.request_id, None)  # its first output: prefilled
+            if output.request_id in self.budgets:
+                self.budgets[output.request_id] -= len(output.new_token_ids)
             queue = self.streams.get(output.request_id)
             if queue is not None:  # else: already released (stop string, disconnect)
                 queue.put_nowait(output)

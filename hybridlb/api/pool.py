@@ -139,7 +139,7 @@ class EnginePool:
         hashes = self._block_hashes(prompt_ids + resumed if resumed else prompt_ids, params.lora)
         adapter = params.lora.name if params.lora is not None else None
         while True:
-            engine = self.pick(rank, frozenset(tried), hashes, len(prompt_ids), adapter)
+            engine = self.pick(rank, frozenset(tried), hashes, len(prompt_ids), adapter, params, len(resumed or ()))
             tried.add(engine.rank)
             try:
                 queue = engine.add(request_id, prompt_ids, params, self.wave, engine.cached_tokens(hashes), resumed)
@@ -161,10 +161,12 @@ class EnginePool:
         return block_hashes(prompt_ids, info.block_size, seed)
 
     def pick(self, rank: int | None = None, exclude: frozenset[int] = frozenset(),
-             hashes: list[int] = (), prompt_tokens: int = 0, adapter: str | None = None) -> EngineConnection:
+             hashes: list[int] = (), prompt_tokens: int = 0, adapter: str | None = None,
+             params: SamplingParams | None = None, resumed_tokens: int = 0) -> EngineConnection:
         """The engine for a new request: ``rank`` if pinned, else by the policy among the live
         ones (``cache_aware`` weighs what each rank holds of the prompt's ``hashes`` against its
-        load and its queue of prompts to prefill, and sends a request for LoRA ``adapter`` to a
+        load, weighted by how long each request there stays beside this one's ``params.max_tokens``,
+        and its queue of prompts to prefill, and sends a request for LoRA ``adapter`` to a
         rank holding it when one is within MAX_LOAD_GAP requests of the least loaded, see
         ``prefer_holders``). ``rank`` is a global one (``resolve_rank``)."""
         if (outage := self.outage()) is not None:
@@ -182,8 +184,10 @@ class EnginePool:
             turn = next(self._turn)
             if self.policy == "round_robin":
                 engine = live[turn % len(live)]
-            elif self.policy == "cache_aware" and hashes:
-                engine = live[choose_cache_aware([e.cache_view(hashes) for e in live], prompt_tokens, turn)]
+            elif self.policy == "cache_aware":
+                params = params or SamplingParams()
+                views = [e.cache_view(hashes, e.output_budget(prompt_tokens, params, resumed_tokens)) for e in live]
+                engine = live[choose_cache_aware(views, prompt_tokens, turn)]
             else:
                 engine = live[choose_engine([e.score for e in live], turn)]
         if not engine.alive:
