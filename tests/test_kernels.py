@@ -259,7 +259,7 @@ def test_int8_group_matmul_scales_each_group_of_32_inputs(threads, n, k):
 
 
 INT4_MATMUL = pytest.mark.skipif(K is None or not K.int4_matmul_supported,
-                                 reason="int4.c's matmul needs a CPU with AVX-512 BF16")
+                                 reason="int4.c's matmul needs a CPU with AVX-512 BF16 and VNNI")
 
 
 @INT4_MATMUL
@@ -270,7 +270,8 @@ def test_int4_matmul_matches_the_weight_its_codes_stand_for(threads, n, k, matmu
     unchanged; rows 1 to 9, 16, 17, 40 and 300, strided inputs, a bias, 4 or 3 panels (an odd one
     alone); against x @ (scale * code + low)^T in float32 (on tiles: the weights rounded once to
     bfloat16, as a dequantizing engine holds them), within the output's bfloat16 rounding and
-    float32 summation."""
+    float32 summation; on vpdpbusd also the inputs' int8 rounding (each group of 32 in steps of
+    its max |x| / 127, as llama.cpp's Q8_0: at most half a step on each input)."""
     from hybridlb.model.quantized import int4_groups
 
     codes, scale, low = int4_groups(torch.randn(n, k))
@@ -291,6 +292,9 @@ def test_int4_matmul_matches_the_weight_its_codes_stand_for(threads, n, k, matmu
             got = K.int4_matmul(x, blocks, bias)
             assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
             bound = want.abs() * 2**-8 + (x.float().abs() @ dense.abs().T) * 1e-5 + 1e-5
+            if matmul_path != "tiles":
+                half_step = x.float().abs().reshape(rows, k // 32, 32).amax(-1) / 254  # [rows, groups]
+                bound = bound + 1.01 * half_step @ dense.abs().reshape(n, k // 32, 32).sum(-1).T
             assert ((got.float() - want).abs() <= bound).all(), rows
     finally:
         torch.set_num_threads(before)

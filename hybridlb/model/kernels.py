@@ -91,7 +91,7 @@ class CPUKernels:
         self.bf16_matmul_supported = bool(library.bf16_matmul_supported())
         # int8.c's needs AVX-512 VNNI (vpdpbusd); without it int8 layers run on torch's int8 kernel.
         self.int8_matmul_supported = bool(library.int8_matmul_supported())
-        # int4.c's (bfloat16 activations) needs AVX-512 BF16; without it 4-bit layers run on torch's kernel.
+        # int4.c's needs AVX-512 BF16 and VNNI; without them 4-bit layers run on torch's kernel.
         self.int4_matmul_supported = bool(library.int4_matmul_supported())
         # With AMX, bf16.c's and int4.c's matmuls run on tiles from AMX_MIN_ROWS rows up (see amx.h);
         # ``tiles``: whether this CPU and Linux allow that (then torch's own kernels use AMX too).

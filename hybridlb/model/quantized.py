@@ -107,7 +107,7 @@ class Int8Linear(nn.Module):
 
 class Int4Linear(nn.Module):
     """y = x @ W^T + bias with W held as 4-bit codes in groups of GROUP along the input dimension. On a CPU
-    with AVX-512 BF16 the codes, scales and lows (float16) sit in int4.c's panel layout (``blocks``);
+    with AVX-512 BF16 and VNNI the codes, scales and lows (float16) sit in int4.c's panel layout (``blocks``);
     otherwise in torch's 4-bit layout (``packed``) for its kernel.
 
     Both multiply bfloat16 activations, also in float32 engines (x is rounded to bfloat16 on the way in
