@@ -340,7 +340,7 @@ BF16_MATMUL = pytest.mark.skipif(K is None or not K.bf16_matmul_supported,
 
 TILES = K is not None and K.bf16_matmul_supported and K.use_tiles(1)
 if K is not None:
-    K.use_tiles(kernels.AMX_MIN_ROWS)
+    K.use_tiles(kernels.AMX_MIN_ROWS, kernels.INT4_AMX_MIN_ROWS)
 
 
 @pytest.fixture(params=["vdpbf16ps", "tiles"])
@@ -351,7 +351,7 @@ def matmul_path(request):
         pytest.skip("the tiles need a CPU with AMX (Intel Sapphire Rapids or later) and Linux 5.16+")
     K.use_tiles(1 if request.param == "tiles" else 0)
     yield request.param
-    K.use_tiles(kernels.AMX_MIN_ROWS)
+    K.use_tiles(kernels.AMX_MIN_ROWS, kernels.INT4_AMX_MIN_ROWS)
 
 
 @BF16_MATMUL

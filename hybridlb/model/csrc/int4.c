@@ -23,7 +23,8 @@
  * go against up to ROWS input rows at once; more rows go round again over the same panels (then
  * in L2); the panels are split over torch's OpenMP pool. One rounding per output element.
  *
- * With AMX tiles (amx.h) in use, from hybridlb_amx_min_rows rows up each thread turns a pair of
+ * With AMX tiles (amx.h) in use, from int4_amx_min_rows() rows up (kernels.py: 32; below, the
+ * vpdpbusd path is faster than the conversion every call makes) each thread turns a pair of
  * panels at a time (a code as the bfloat16 value 1 + c / 16, see plane()) into bfloat16 weights
  * scale * code + low (one rounding, as a dequantizing
  * engine's weights) in bf16.c's layout, in a buffer that stays in L2, and multiplies all the
@@ -46,6 +47,10 @@
 #define ROWS 4    /* input rows at once (2 x ROWS x PANELS sums, 4 code vectors: 24 registers) */
 #define BLOCK_BYTES (GROUP * PANEL / 2 + 2 * PANEL * 2) /* 256 bytes of codes, 64 of scale and low */
 #define PREFETCH 1280
+
+static int64_t int4_tile_rows = 0; /* tiles from this many rows up, where amx.h's are in use; 0: never */
+
+void int4_amx_min_rows(int64_t rows) { int4_tile_rows = rows; }
 
 int64_t int4_matmul_supported(void) {
 #ifdef INT4_DOT
@@ -220,7 +225,7 @@ void int4_matmul(const uint16_t *x, int64_t x_stride, const uint8_t *packed, con
     if (m <= 0) return;
     if (threads > panels) threads = panels;
 #ifdef AMX_TILES
-    if (hybridlb_amx_min_rows && m >= hybridlb_amx_min_rows) {
+    if (hybridlb_amx_min_rows && int4_tile_rows && m >= int4_tile_rows) {
         if (threads <= 1 || MATMUL_SERIAL(m, n, k)) {
             int4_tiles(x, x_stride, packed, bias, out, m, n, k, 0, panels);
             return;
