@@ -270,8 +270,8 @@ def test_int4_matmul_matches_the_weight_its_codes_stand_for(threads, n, k, matmu
     unchanged; rows 1 to 9, 16, 17, 40 and 300, strided inputs, a bias, 4 or 3 panels (an odd one
     alone); against x @ (scale * code + low)^T in float32 (on tiles: the weights rounded once to
     bfloat16, as a dequantizing engine holds them), within the output's bfloat16 rounding and
-    float32 summation; on vpdpbusd also the inputs' int8 rounding (each group of 32 in steps of
-    its max |x| / 127, as llama.cpp's Q8_0: at most half a step on each input)."""
+    float32 summation; on vpdpbusd also the inputs' rounding to two int8 digits (each group of
+    32 in steps of its max |x| / (127 * 254): at most half a step on each input)."""
     from hybridlb.model.quantized import int4_groups
 
     codes, scale, low = int4_groups(torch.randn(n, k))
@@ -293,7 +293,7 @@ def test_int4_matmul_matches_the_weight_its_codes_stand_for(threads, n, k, matmu
             assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
             bound = want.abs() * 2**-8 + (x.float().abs() @ dense.abs().T) * 1e-5 + 1e-5
             if matmul_path != "tiles":
-                half_step = x.float().abs().reshape(rows, k // 32, 32).amax(-1) / 254  # [rows, groups]
+                half_step = x.float().abs().reshape(rows, k // 32, 32).amax(-1) / (254 * 254)  # [rows, groups]
                 bound = bound + 1.01 * half_step @ dense.abs().reshape(n, k // 32, 32).sum(-1).T
             assert ((got.float() - want).abs() <= bound).all(), rows
     finally:

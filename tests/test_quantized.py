@@ -46,8 +46,8 @@ def test_int8_and_int4_layers_compute_what_their_codes_stand_for():
         got = layer(x)
         assert got.dtype == torch.float32
         # 4-bit layers multiply bfloat16 activations into bfloat16 outputs (each rounded by at most 2^-9),
-        # on vpdpbusd as int8 in steps of each 32 inputs' max |x| / 127 (at most half a step each)
-        half_step = x.abs().reshape(5, 4, 32).amax(-1) / 254
+        # on vpdpbusd as two int8 digits in steps of each 32 inputs' max |x| / (127 * 254) (half a step each)
+        half_step = x.abs().reshape(5, 4, 32).amax(-1) / (254 * 254)
         bound = 1e-4 if isinstance(layer, Int8Linear) else \
             2**-8 * (x.abs() @ dense.abs().T) + 1.01 * half_step @ dense.abs().reshape(96, 4, 32).sum(-1).T + 1e-6
         assert ((got - x @ dense.T).abs() <= bound).all()

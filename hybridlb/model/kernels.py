@@ -59,9 +59,9 @@ BF16_ONLY = {"bf16_pack": [_P, _P, _I, _I, _I], "bf16_matmul": [_P, _I, _P, _P, 
 INT4_GROUP = 32  # int4.c's GROUP: inputs per scale and low (input sizes are multiples of this)
 AMX_MIN_ROWS = 4  # bf16.c's and int8.c's matmuls on AMX tiles from this many rows up (where the CPU has AMX)
 # int4.c's from this many: below it its vpdpbusd path is faster than turning the codes into bfloat16
-# for the tiles on every call (SmolLM2's 120 projections on the Xeon, two threads: 16 rows 6.6 ms
-# against 7.8, 24 rows 9.6 against 10.6, 32 rows 13.1 against 10.9)
-INT4_AMX_MIN_ROWS = 32
+# for the tiles on every call (SmolLM2's 120 projections on the Xeon, two threads, less the calls'
+# Python cost: 6 rows 5.2-6.2 ms against 7.5-9.0, 8 rows 7.7 against 8.5, 12 rows 10.6 against 9.1)
+INT4_AMX_MIN_ROWS = 10
 
 
 class CPUKernels:

@@ -5,16 +5,19 @@
  *
  * At batch 1 a step streams every weight once, so 4-bit codes read a quarter of bfloat16's bytes
  * (plus 4 bytes of scale and low per 32). They are multiplied as bytes, as llama.cpp multiplies its
- * 4-bit blocks: each row's inputs are first rounded to int8 per group of 32 (q = round(x / a), a = max
- * |x| / 127, llama.cpp's Q8_0), and AVX-512 VNNI's vpdpbusd multiplies 64 codes (unsigned bytes,
- * masked out of their nibbles in place) by 64 such inputs at once. Per group,
- *   sum_k x w = scale * a * sum_k q c + low * sum_k x,
- * with each row's exact group sums of x computed alongside. An input moves by at most half its
- * group's int8 step (max |x| / 254), far under the 4-bit weights' own step (a group's range / 15).
- * Before this the codes were made bfloat16 values 1 + c / 16 (one shift and one ternary-logic
- * instruction per 32) for vdpbf16ps: twice the instructions per weight, and a batch-1 step is
- * bound by them, not by memory (SmolLM2's 30 layers: 2.3 -> 1.6 ms on two cores of a Xeon whose
- * large L3 holds the 66 MB of codes). The codes go in panels of 16 output columns
+ * 4-bit blocks, but with more of the inputs' precision: each row's inputs are first rounded per
+ * group of 32 to two int8 digits, x = a (hi + lo / 254) with a = max |x| / 127 (within a / 508, about
+ * float16's precision; llama.cpp's Q8_0 is the hi digit alone), and AVX-512 VNNI's vpdpbusd
+ * multiplies 64 codes (unsigned bytes, masked out of their nibbles in place) by 64 digits at once.
+ * Per group,
+ *   sum_k x w = scale * a * (sum_k hi c + sum_k lo c / 254) + low * sum_k x,
+ * with each row's exact group sums of x computed alongside. The first version made each code a
+ * bfloat16 value 1 + c / 16 (one shift and one ternary-logic instruction per 32) for vdpbf16ps:
+ * more instructions per weight, and a batch-1 step is bound by them, not by memory (the Xeon's
+ * 480 MiB L3 holds SmolLM2's 66 MB of 4-bit projections). SmolLM2's 120 projections at batch 1, two
+ * threads: 2.3 ms that way, 2.0 ms with two digits, 1.6 ms with the hi digit alone, which moved the
+ * greedy tokens (bfloat16: 3 of 8 prompts kept their 16 tokens against the dequantizing engine;
+ * with two digits 8 of 8, as before). The codes go in panels of 16 output columns
  * (bf16.c's layout, four bit planes to a word): per panel and group one 320-byte block,
  *   words[line][column][2]: line 0..3 covers inputs 8 line .. 8 line + 7, the word of (column,
  *   e) holding the codes of inputs 8 line + 2 j + e in its bits 4 j .. 4 j + 3, j = 0..3;
@@ -23,7 +26,7 @@
  * go against up to ROWS input rows at once; more rows go round again over the same panels (then
  * in L2); the panels are split over torch's OpenMP pool. One rounding per output element.
  *
- * With AMX tiles (amx.h) in use, from int4_amx_min_rows() rows up (kernels.py: 32; below, the
+ * With AMX tiles (amx.h) in use, from int4_amx_min_rows() rows up (kernels.py: 10; below, the
  * vpdpbusd path is faster than the conversion every call makes) each thread turns a pair of
  * panels at a time (a code as the bfloat16 value 1 + c / 16, see plane()) into bfloat16 weights
  * scale * code + low (one rounding, as a dequantizing
@@ -68,9 +71,11 @@ static inline __m512bh plane(__m512i words, int j) {
     return (__m512bh)_mm512_ternarylogic_epi32(shifted, _mm512_set1_epi16(0x0078), _mm512_set1_epi16(0x3F80), 0xEA);
 }
 
-/* Each row's inputs per group of 32 as int8, as llama.cpp quantizes them against its 4-bit blocks
- * (Q8_0): q = round(x / a) with a = max |x| / 127 (xscale[g]), each line's 8 in the order its codes
- * come out of their dwords (int4_block): 0, 4, 1, 5, 2, 6, 3, 7; and each group's exact sum (xsum[g]). */
+/* Each row's inputs per group of 32 as two int8 digits: t = x / a with a = max |x| / 127, then
+ * hi = round(t) and lo = round((t - hi) * 254), so x = a (hi + lo / 254) within a / 508 (about
+ * float16's precision, finer than the bfloat16 the inputs come in); per line of 8 inputs 16 bytes,
+ * hi then lo, each in the order its codes come out of their dwords (int4_block): 0, 4, 1, 5, 2, 6,
+ * 3, 7. Also each group's a (xscale[g]) and exact sum (xsum[g]). */
 static void int4_quantize_row(const uint16_t *x, int8_t *xq, float *xscale, float *xsum, int64_t groups) {
     const __m128i order = _mm_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
     for (int64_t g = 0; g < groups; g++) {
@@ -79,19 +84,25 @@ static void int4_quantize_row(const uint16_t *x, int8_t *xq, float *xscale, floa
         xsum[g] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
         xscale[g] = amax / 127.0f;
         __m512 inverse = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-        __m128i qa = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(a, inverse)));
-        __m128i qb = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(b, inverse)));
-        _mm_storeu_si128((__m128i *)(xq + g * GROUP), _mm_shuffle_epi8(qa, order));
-        _mm_storeu_si128((__m128i *)(xq + g * GROUP + 16), _mm_shuffle_epi8(qb, order));
+        for (int half = 0; half < 2; half++) { /* inputs 0-15 (lines 0, 1), then 16-31 (lines 2, 3) */
+            __m512 t = _mm512_mul_ps(half ? b : a, inverse);
+            __m512 hi = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            __m512 lo = _mm512_mul_ps(_mm512_sub_ps(t, hi), _mm512_set1_ps(254.0f));
+            __m128i hi8 = _mm_shuffle_epi8(_mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(hi)), order);
+            __m128i lo8 = _mm_shuffle_epi8(_mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(lo)), order);
+            int8_t *to = xq + 2 * (g * GROUP + 16 * half);
+            _mm_storeu_si128((__m128i *)to, _mm_unpacklo_epi64(hi8, lo8));
+            _mm_storeu_si128((__m128i *)(to + 16), _mm_unpackhi_epi64(hi8, lo8));
+        }
     }
 }
 
 /* Rows [0, R) times panels [first, first + C), R and C constants after inlining. A line's 64 bytes
  * are one dword per column holding its 8 codes; masking the nibbles in place and after a shift of 4
  * gives two vectors of one byte per code, inputs (0, 4, 1, 5) and (2, 6, 3, 7) of the line in each
- * column's dword, and vpdpbusd multiplies them, unsigned, by the row's int8 inputs in that order
- * (broadcast) and sums each column's four into its lane. Per group the integer sums become
- * scale * a * sum + low * xsum. */
+ * column's dword, and vpdpbusd multiplies them, unsigned, by each digit of the row's inputs in that
+ * order (broadcast), summing each column's four into its lane. Per group the integer sums become
+ * scale * a * (hi_sum + lo_sum / 254) + low * xsum. */
 static inline __attribute__((always_inline)) void int4_block(const int8_t *xq, int64_t k, const float *xscale,
                                                              const float *xsum, const uint8_t *packed,
                                                              const uint16_t *bias, uint16_t *out, int64_t n,
@@ -104,22 +115,23 @@ static inline __attribute__((always_inline)) void int4_block(const int8_t *xq, i
     const uint8_t *stream[PANELS];
     for (int c = 0; c < C; c++) stream[c] = packed + (first + c) * groups * BLOCK_BYTES;
     for (int64_t g = 0; g < groups; g++) {
-        __m512i sums[ROWS][PANELS];
+        __m512i high_sums[ROWS][PANELS], low_sums[ROWS][PANELS];
         for (int r = 0; r < R; r++)
-            for (int c = 0; c < C; c++) sums[r][c] = _mm512_setzero_si512();
+            for (int c = 0; c < C; c++) high_sums[r][c] = low_sums[r][c] = _mm512_setzero_si512();
         for (int line = 0; line < 4; line++) {
-            const int8_t *xs = xq + g * GROUP + 8 * line;
+            const int8_t *xs = xq + 2 * (g * GROUP + 8 * line);
             for (int c = 0; c < C; c++) {
                 _mm_prefetch((const char *)stream[c] + PREFETCH + 64 * line, _MM_HINT_T0);
                 __m512i words = _mm512_loadu_si512(stream[c] + 64 * line);
-                __m512i low4 = _mm512_and_si512(words, nibble);
-                __m512i high4 = _mm512_and_si512(_mm512_srli_epi32(words, 4), nibble);
+                __m512i first4 = _mm512_and_si512(words, nibble);
+                __m512i second4 = _mm512_and_si512(_mm512_srli_epi32(words, 4), nibble);
                 for (int r = 0; r < R; r++) {
-                    int32_t first4, second4;
-                    memcpy(&first4, xs + r * k, sizeof first4);
-                    memcpy(&second4, xs + r * k + 4, sizeof second4);
-                    sums[r][c] = _mm512_dpbusd_epi32(sums[r][c], low4, _mm512_set1_epi32(first4));
-                    sums[r][c] = _mm512_dpbusd_epi32(sums[r][c], high4, _mm512_set1_epi32(second4));
+                    int32_t digits[4];
+                    memcpy(digits, xs + 2 * r * k, sizeof digits);
+                    high_sums[r][c] = _mm512_dpbusd_epi32(high_sums[r][c], first4, _mm512_set1_epi32(digits[0]));
+                    high_sums[r][c] = _mm512_dpbusd_epi32(high_sums[r][c], second4, _mm512_set1_epi32(digits[1]));
+                    low_sums[r][c] = _mm512_dpbusd_epi32(low_sums[r][c], first4, _mm512_set1_epi32(digits[2]));
+                    low_sums[r][c] = _mm512_dpbusd_epi32(low_sums[r][c], second4, _mm512_set1_epi32(digits[3]));
                 }
             }
         }
@@ -128,8 +140,10 @@ static inline __attribute__((always_inline)) void int4_block(const int8_t *xq, i
             __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const void *)meta));
             __m512 low = _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(meta + 2 * PANEL)));
             for (int r = 0; r < R; r++) {
+                __m512 sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(low_sums[r][c]), _mm512_set1_ps(1.0f / 254.0f),
+                                             _mm512_cvtepi32_ps(high_sums[r][c]));
                 __m512 step = _mm512_mul_ps(scale, _mm512_set1_ps(xscale[r * groups + g]));
-                total[r][c] = _mm512_fmadd_ps(step, _mm512_cvtepi32_ps(sums[r][c]), total[r][c]);
+                total[r][c] = _mm512_fmadd_ps(step, sum, total[r][c]);
                 total[r][c] = _mm512_fmadd_ps(low, _mm512_set1_ps(xsum[r * groups + g]), total[r][c]);
             }
             stream[c] += BLOCK_BYTES;
@@ -144,7 +158,7 @@ static inline __attribute__((always_inline)) void int4_block(const int8_t *xq, i
     }
 }
 
-#define BLOCK(R, C) int4_block(xq + r0 * k, k, xscale + r0 * groups, xsum + r0 * groups, packed, bias, out + r0 * n, \
+#define BLOCK(R, C) int4_block(xq + 2 * r0 * k, k, xscale + r0 * groups, xsum + r0 * groups, packed, bias, out + r0 * n, \
                                n, first, R, C)
 #define BY_ROWS(C) switch (rows) { \
     case 1: BLOCK(1, C); break; case 2: BLOCK(2, C); break; case 3: BLOCK(3, C); break; default: BLOCK(4, C); }
@@ -239,10 +253,10 @@ void int4_matmul(const uint16_t *x, int64_t x_stride, const uint8_t *packed, con
     }
 #endif
     float *xsum = malloc(sizeof(float) * 2 * m * groups), *xscale = xsum + m * groups;
-    int8_t *xq = malloc(m * k);
+    int8_t *xq = malloc(2 * m * k);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && m * k >= 4 * PARALLEL_MIN_ELEMENTS)
     for (int64_t i = 0; i < m; i++)
-        int4_quantize_row(x + i * x_stride, xq + i * k, xscale + i * groups, xsum + i * groups, groups);
+        int4_quantize_row(x + i * x_stride, xq + 2 * i * k, xscale + i * groups, xsum + i * groups, groups);
     if (threads <= 1 || MATMUL_SERIAL(m, n, k)) {
         int4_panels(xq, xscale, xsum, packed, bias, out, m, n, k, 0, panels);
     } else {
