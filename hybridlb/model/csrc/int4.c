@@ -47,7 +47,7 @@
 #define PANEL 16  /* output columns per panel */
 #define GROUP 32  /* inputs per scale and low */
 #define PANELS 4  /* panels multiplied at once: 4 for one row, else 2 */
-#define ROWS 4    /* input rows at once (2 x ROWS x PANELS sums, 4 code vectors: 24 registers) */
+#define ROWS 4    /* input rows at once against two panels (hi and lo sums, totals: 24 registers; 4 code vectors) */
 #define BLOCK_BYTES (GROUP * PANEL / 2 + 2 * PANEL * 2) /* 256 bytes of codes, 64 of scale and low */
 #define PREFETCH 1280
 
