@@ -75,10 +75,11 @@ def test_a_gguf_files_4_bit_blocks_are_kept_exactly(tmp_path, llama256_dir, qtyp
                     reason="the output layer's codes run on int8.c, which needs AVX-512 VNNI")
 @pytest.mark.parametrize("qtype, exact", [("Q8_0", True), ("Q4_0", False)])
 def test_a_gguf_files_quantized_output_layer_runs_on_its_codes(tmp_path, llama256_dir, qtype, exact):
-    """The output layer (tied to the embedding here) keeps the file's codes with a scale per 32 inputs:
-    Q8_0's own values exactly, other types within half an int8 step; steps of a few rows take their logits
-    from the codes, larger ones from the dense copy, and both follow the dequantized engine's logits. (A
-    tied one, whose embedding reads the same codes: SmolLM2 in tests/real/test_quantized.py.)"""
+    """The output layer (untied here) keeps the file's codes with a scale per 32 inputs: Q8_0's own values
+    exactly, other types within half an int8 step. A float32 engine takes every step's logits from the
+    codes and holds no dense copy; a bfloat16 one takes steps of more than a few rows from a dense copy of
+    the codes' values. (A tied one, whose embedding reads the same codes: SmolLM2 in
+    tests/real/test_quantized.py.)"""
     path = str(write_gguf(llama256_dir, tmp_path / f"model.{qtype}.gguf", qtype))
     kept = _runner(LLM(path, max_model_len=256, num_kv_blocks=64, dtype="float32", quantization="gguf")).model
     plain = _runner(LLM(path, max_model_len=256, num_kv_blocks=64, dtype="float32")).model
@@ -89,10 +90,16 @@ def test_a_gguf_files_quantized_output_layer_runs_on_its_codes(tmp_path, llama25
     else:
         _, scale = int8_groups(weight)
         assert ((ours - weight).abs() <= scale.repeat_interleave(32, dim=1) / 2 + 1e-7).all()
+    assert kept.lm_head.dense is None
     for rows in (1, GROUP_ROWS_MAX, GROUP_ROWS_MAX + 1, 20):
         hidden = torch.randn(rows, weight.shape[1])
-        values = ours if rows <= GROUP_ROWS_MAX else weight  # the codes', or the dense copy's
-        assert torch.allclose(kept.logits(hidden), hidden @ values.T, atol=2e-3, rtol=1e-3), rows
+        assert torch.allclose(kept.logits(hidden), hidden @ ours.T, atol=2e-3, rtol=1e-3), rows
+    half = _runner(LLM(path, max_model_len=256, num_kv_blocks=64, dtype="bfloat16", quantization="gguf")).model
+    assert half.lm_head.dense is not None
+    for rows in (1, GROUP_ROWS_MAX + 1, 20):
+        hidden = torch.randn(rows, weight.shape[1]).bfloat16()
+        expected = hidden.float() @ ours.bfloat16().float().T  # the dense copy: the codes' values in bfloat16
+        assert torch.allclose(half.logits(hidden), expected, atol=2e-2, rtol=1e-2), rows
 
 
 def test_k_quants_are_regrouped_within_half_a_step(tmp_path, llama256_dir):
@@ -113,7 +120,13 @@ def test_int8_at_load_quantizes_every_projection(llama256_dir):
     llm = LLM(str(llama256_dir), max_model_len=256, num_kv_blocks=64, dtype="float32", quantization="int8")
     model = _runner(llm).model
     assert all(isinstance(layer, Int8Linear) for layer in _linears(model).values())
-    assert isinstance(model.embed, Int8Embedding) and isinstance(model.lm_head, torch.nn.Linear)  # dense logits
+    assert isinstance(model.embed, Int8Embedding)
+    if kernels.load() and kernels.load().int8_matmul_supported:  # the output layer on Q8_0's grid, within half a step
+        plain = LLM(str(llama256_dir), max_model_len=256, num_kv_blocks=64, dtype="float32")
+        weight = _runner(plain).model.lm_head.weight
+        _, scale = int8_groups(weight)
+        assert isinstance(model.lm_head, Int8GroupLinear) and model.lm_head.dense is None
+        assert ((model.lm_head.dense_weight() - weight).abs() <= scale.repeat_interleave(32, dim=1) / 2 + 1e-7).all()
     assert llm.generate(PROMPTS[:2], GREEDY)[0].token_ids
 
 

@@ -173,6 +173,20 @@ def tensor_reader(model: str | Path):
     return SafetensorsReader(checkpoint.path)
 
 
+def _allocate(module: nn.Module, device: torch.device) -> None:
+    """``module.to_empty(device=device)`` for a module built on the meta device, without its
+    ``empty_like``: on meta tensors that runs torch's Python reference, which imports torch.fx's symbolic
+    shapes and sympy (~35 MiB of every engine's memory)."""
+    for owner in module.modules():
+        for name, param in owner._parameters.items():
+            if param is not None:
+                owner._parameters[name] = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device),
+                                                       requires_grad=param.requires_grad)
+        for name, buffer in owner._buffers.items():
+            if buffer is not None:
+                owner._buffers[name] = torch.empty(buffer.shape, dtype=buffer.dtype, device=device)
+
+
 def load_model(model: str | Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
                max_positions: int, experts: range | None = None, dispatch: ExpertDispatch | None = None,
                quantization: str | None = None) -> CausalLM:
@@ -183,9 +197,8 @@ def load_model(model: str | Path, spec: ModelSpec, dtype: torch.dtype, device: t
     with torch.device("meta"):
         lm = CausalLM(spec, max_positions, experts, dispatch).to(dtype)
     # Allocated, not written: a weight kept quantized is never touched, so it never takes memory.
-    lm = lm.to_empty(device=device)
-    # to_empty materialises each module's parameters separately, which unties a tied lm_head.
-    lm.tie_weights()
+    _allocate(lm, device)
+    lm.tie_weights()  # each parameter got its own memory, which unties a tied lm_head
     for module in lm.modules():
         if isinstance(module, RotaryEmbedding):
             module.reset()
@@ -197,6 +210,8 @@ def load_model(model: str | Path, spec: ModelSpec, dtype: torch.dtype, device: t
     targets = quantization_targets(lm) if quantization else {}
     kept_quantized = {f"{name}.weight" for name in targets} | ({"embed.weight"} if targets else set())
     int8_head = bool(targets) and _int8_head(reader, layout, lm.spec, quantization)
+    if int8_head:
+        kept_quantized.add("lm_head.weight")  # an untied one's (a tied one is embed.weight)
     with torch.no_grad():
         for name, param in lm.named_parameters():
             if name not in kept_quantized:
@@ -213,16 +228,15 @@ def quantization_targets(lm: CausalLM) -> dict[str, nn.Linear]:
 
 
 def _int8_head(reader, layout: dict[str, Source], spec: ModelSpec, method: str) -> bool:
-    """Whether the output layer runs on int8 codes (``Int8GroupLinear``, float32 logits): where a GGUF file
-    holds it quantized (Q8_0, Q6_K, ...: llama.cpp's own output matmul runs on those codes) and int8.c
-    runs it, for steps of a few rows (``GROUP_ROWS_MAX``; its dense copy takes larger ones). At batch 1 that
-    halves the bytes the largest matrix of a small model streams (SmolLM2: 28 MiB of codes instead of 56
-    MiB of bfloat16). Checkpoints of plain floats keep only the dense output layer (the logits keep the
-    checkpoint's values), as do CPUs without AVX-512 VNNI."""
-    if method != "gguf":
-        return False
+    """Whether the output layer runs on int8 codes (``Int8GroupLinear``, float32 logits): where int8.c runs
+    them, for a GGUF file that holds the layer quantized (Q8_0, Q6_K, ...: llama.cpp's own output matmul
+    runs on those codes; an F16 / F32 one keeps the file's values) and for every checkpoint quantized at
+    load (int8, int4: its floats rounded to Q8_0's grid, a step of max|w| / 127 per 32 weights; SmolLM2's
+    greedy tokens against float32 were the same as with the dense layer). At batch 1 the codes halve the
+    bytes the largest matrix of a small model streams (SmolLM2: 28 MiB of codes instead of 56 MiB of
+    bfloat16). CPUs without AVX-512 VNNI keep the dense layer."""
     source = layout["embed.weight" if spec.tie_word_embeddings else "lm_head.weight"]
-    if any(reader.tensor_type(name) in DENSE_GGUF_TYPES for name in source.names):
+    if method == "gguf" and any(reader.tensor_type(name) in DENSE_GGUF_TYPES for name in source.names):
         return False
     found = kernels.load()
     return (found is not None and found.int8_matmul_supported and spec.vocab_size % kernels.PANEL == 0
@@ -245,13 +259,18 @@ def _quantize(lm: CausalLM, reader, layout: dict[str, Source], targets: dict[str
         layer = quantized_linear(method, build(reader, source), linear.bias, dtype, gguf_type, grid)
         setattr(lm.get_submodule(parent), child, layer)
     embedding = build(reader, layout["embed.weight"])
-    if lm.spec.tie_word_embeddings:  # the output layer keeps its own dense copy (see hybridlb.model.quantized)
-        lm.lm_head.weight.copy_(embedding)
     if not int8_head:
+        if lm.spec.tie_word_embeddings:  # the output layer keeps its own dense copy (see hybridlb.model.quantized)
+            lm.lm_head.weight.copy_(embedding)
         lm.embed = Int8Embedding(*int8_rows(embedding), dtype)
         return
-    head = embedding if lm.spec.tie_word_embeddings else build(reader, layout["lm_head.weight"])
-    lm.lm_head = Int8GroupLinear(*int8_groups(head), kernels.load(), lm.lm_head)
-    # A tied embedding reads the output layer's codes (one copy, the file's Q8_0 values exactly).
+    weight = embedding if lm.spec.tie_word_embeddings else build(reader, layout["lm_head.weight"])
+    head = Int8GroupLinear(*int8_groups(weight), kernels.load(), None)
+    del weight
+    if dtype == torch.bfloat16:  # beside the codes, for steps of many rows: their values, dense (Int8GroupLinear)
+        lm.lm_head.weight.copy_(head.dense_weight())
+        head.dense = lm.lm_head
+    lm.lm_head = head
+    # A tied embedding reads the output layer's codes (one copy; a Q8_0 file's own codes and scales).
     lm.embed = (Int8Embedding.tied_to(lm.lm_head, dtype) if lm.spec.tie_word_embeddings
                 else Int8Embedding(*int8_rows(embedding), dtype))

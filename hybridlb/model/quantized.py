@@ -12,16 +12,18 @@ the engine's int8 kernel or torch's CPU weight-only kernels, never holding a deq
   low), so their codes are kept as the file has them.
 * ``Int8Embedding``: the token embedding as int8 rows with a scale each, dequantized per looked-up row.
 
-* ``Int8GroupLinear``: a GGUF file's quantized output layer (Q8_0, ...) as int8 codes with a scale per
-  group of 32 inputs (Q8_0's grid), float32 logits, on int8.c where the CPU has AVX-512 VNNI.
+* ``Int8GroupLinear``: the output layer as int8 codes with a scale per group of 32 inputs (Q8_0's grid:
+  a GGUF file's own Q8_0 codes, else the weights rounded to it), float32 logits, on int8.c where the CPU
+  has AVX-512 VNNI.
 
 What is quantized (``loader.quantization_targets``): the attention's qkv and output projections, the
-dense MLP's gate-up and down projections, and the embedding; with ``gguf`` also the output layer where
-the file holds it quantized and int8.c runs it (``loader._int8_head``; a tied one then shares its codes
-with the embedding). Otherwise the output layer stays in the engine's dtype (a tied one gets its own
-copy, which bfloat16 engines hold packed): on a 2-core AMD EPYC its 49,152 x 576 bfloat16 matmul took
-1.8 ms at batch 1 and 4.6 ms at batch 16 against torch's int8 kernel's 2.7 and 13.9 ms, and the logits
-keep the checkpoint's values. Norms, the MoE router and MoE experts stay in the engine's dtype.
+dense MLP's gate-up and down projections, the embedding, and the output layer where int8.c runs it and
+the checkpoint does not hold it as plain floats in a GGUF file (``loader._int8_head``; a tied one then
+shares its codes with the embedding; bfloat16 engines also hold the codes' values packed for steps of
+many rows). Otherwise the output layer stays in the engine's dtype (a tied one gets its own copy, which
+bfloat16 engines hold packed): on a 2-core AMD EPYC its 49,152 x 576 bfloat16 matmul took 1.8 ms at
+batch 1 and 4.6 ms at batch 16 against torch's int8 kernel's 2.7 and 13.9 ms. Norms, the MoE router and
+MoE experts stay in the engine's dtype.
 """
 
 from __future__ import annotations
@@ -175,19 +177,22 @@ def int8_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Int8GroupLinear(nn.Module):
-    """A bias-free output layer whose GGUF tensor is quantized (Q8_0, ...): int8 codes with a scale per group
-    of GROUP inputs of each row (Q8_0's grid, as llama.cpp runs it) on int8.c for steps of up to
+    """A bias-free output layer as int8 codes with a scale per group of GROUP inputs of each row (Q8_0's grid,
+    as llama.cpp runs it: a GGUF file's quantized layer, or one quantized at load) on int8.c for steps of up to
     ``GROUP_ROWS_MAX`` rows (``CPUKernels.int8_group_matmul``, CPUs with AVX-512 VNNI), float32 logits;
-    ``dense`` (the same values in the engine's dtype, packed for bf16.c in bfloat16 engines) for more.
+    in bfloat16 engines ``dense`` (the same values, packed for bf16.c) takes steps of more rows.
 
     At batch 1 the codes stream half the bytes (SmolLM2: 28 + 1.8 MiB of codes and scales against
     56 MiB of bfloat16): 0.67 ms against 1.18 on a 2-core Xeon. With more rows the per-group scaling
-    (18 groups per row of 576) costs more than the bytes save, and the dense matmul runs on AMX
-    tiles: at 16 rows 3.1 ms against 1.5. Per-row scales (``Int8Linear``, which tiles take) would
-    coarsen a Q8_0 row's grid ~1.8x on SmolLM2 (1.2 % weight error against bfloat16's 0.14 %) and
-    move its greedy tokens. Only the loader builds it (``loader._int8_head``)."""
+    (18 groups per row of 576) costs more than the bytes save, and the bfloat16 matmul runs on AMX
+    tiles: at 16 rows 3.1 ms against 1.5. Float32 engines keep no dense copy (``dense`` None; 108 MiB
+    on SmolLM2): their float32 matmul was slower than the codes at every size (2-core Xeon, 1 / 8 / 16 /
+    64 rows: 3.0 / 10.9 / 9.9 / 18.7 ms against 0.57 / 1.46 / 2.71 / 10.8). Per-row scales
+    (``Int8Linear``, which tiles take) would coarsen a Q8_0 row's grid ~1.8x on SmolLM2 (1.2 % weight
+    error against bfloat16's 0.14 %) and move its greedy tokens. Only the loader builds it (``loader._int8_head``)."""
 
-    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, found: kernels.CPUKernels, dense: nn.Linear):
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, found: kernels.CPUKernels,
+                 dense: nn.Linear | None):
         super().__init__()
         self.out_features, self.in_features = codes.shape
         self.kernels = found

@@ -88,7 +88,11 @@ class CausalLM(nn.Module):
         super().__init__()
         self.spec = spec
         rotary = RotaryEmbedding(spec.head_dim, max_positions, spec.rope)
-        self.embed = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        # With a weight given, nn.Embedding skips its random init: on the meta device (load_model) that
+        # init runs torch's Python reference of normal_, which imports torch._dynamo and triton (~140 MiB
+        # of every engine's memory, ~0.9 s of its start).
+        self.embed = nn.Embedding(spec.vocab_size, spec.hidden_size,
+                                  _weight=torch.empty(spec.vocab_size, spec.hidden_size))
         self.layers = nn.ModuleList(
             DecoderLayer(spec, i, rotary, expert_range, dispatch) for i in range(spec.num_layers)
         )
@@ -112,7 +116,7 @@ class CausalLM(nn.Module):
         of 0.125 at SmolLM2's logit sizes) the top tokens of a prompt often tie."""
         head = self.lm_head
         if isinstance(head, Int8GroupLinear):  # a GGUF file's quantized output layer: its codes for few rows
-            if hidden.shape[0] <= GROUP_ROWS_MAX:
+            if head.dense is None or hidden.shape[0] <= GROUP_ROWS_MAX:
                 return head(hidden)
             head = head.dense
         if isinstance(head, PackedLinear):

@@ -76,15 +76,16 @@ def test_kept_quantized_server_answers_through_the_sdk(servers):
 
 def test_the_engine_holds_far_less_memory(servers):
     """In float32 the projections drop from 424 MiB to 66 MiB of int4.c's blocks (106 MiB of int8 at load),
-    and the embedding from 112 MiB to 28 MiB of int8 codes (the output layer keeps a float32 copy for
-    large steps). Measured (0.1 GiB KV cache): 1,065 -> 767 MiB kept 4-bit, 785 MiB int8."""
+    and the tied embedding and output layer from 108 MiB to 28 MiB of int8 codes; the same ~220 MiB of
+    Python and torch and the same 0.1 GiB KV cache stay. Measured: 894 MiB dense, 475 kept 4-bit (0.53x),
+    492 int8 (0.55x)."""
     rss = []
     for server in servers:
         engines = httpx.get(f"{server.url}/ranks", timeout=10).json()["engines"]
         rss.append(engines[0]["rss_mib"])
     dense, kept, int8 = rss
     assert dense > 0 and kept > 0 and int8 > 0
-    assert kept <= dense - 200 and int8 <= dense - 200, rss
+    assert kept <= 0.6 * dense and int8 <= 0.6 * dense, rss
 
 
 def test_int8_at_load_follows_float32(smollm2_hf_dir):
