@@ -12,6 +12,8 @@ says:
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -34,26 +36,58 @@ SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAM
           "smaug-bpe": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
 
 
+@dataclass(frozen=True)
+class _Tensor:
+    kind: object  # gguf.GGMLQuantizationType
+    dtype: np.dtype  # the array the gguf package makes of its bytes (block types: uint8 rows)
+    shape: tuple[int, ...]
+    offset: int  # in the file
+
+
+@dataclass(frozen=True)
+class Parsed:
+    fields: dict[str, object]  # every metadata key's value
+    tensors: dict[str, _Tensor]  # in the file's order
+
+
 @lru_cache(maxsize=2)
-def reader(path: Path):
-    """The parsed file (memory-mapped; tensors are read when dequantized)."""
+def parsed(path: Path) -> Parsed:
+    """The file's metadata and tensor table, parsed once per process by the gguf package. The parser's
+    own objects (~150 MB and ~2 s for a 49k-token vocabulary: numpy views of every token and merge) are
+    dropped at once, keeping the values; tensor data is mapped from the file when read (``tensor_data``)."""
     import gguf
 
     try:
-        return gguf.GGUFReader(str(path))
+        found = gguf.GGUFReader(str(path))
     except Exception as exc:
         raise CheckpointError(f"{path} is not a readable GGUF file: {exc}") from None
+    fields = {name: field.contents() for name, field in found.fields.items()}
+    tensors = {t.name: _Tensor(t.tensor_type, t.data.dtype, tuple(t.data.shape), int(t.data_offset))
+               for t in found.tensors}
+    return Parsed(fields, tensors)
+
+
+@lru_cache(maxsize=2)
+def _mapped(path: Path) -> np.memmap:
+    return np.memmap(path, dtype=np.uint8, mode="r")
+
+
+def tensor_data(path: Path, name: str) -> np.ndarray:
+    """Tensor ``name`` as the gguf package reads it, mapped read-only from the file."""
+    tensor = parsed(path).tensors[name]
+    size = math.prod(tensor.shape) * tensor.dtype.itemsize
+    return _mapped(path)[tensor.offset : tensor.offset + size].view(tensor.dtype).reshape(tensor.shape)
 
 
 def release_readers() -> None:
-    """Drop the parsed files: a 49k-token vocabulary's metadata is ~150 MB of Python objects, which an
-    engine needs only while it loads (a later read parses the file again)."""
-    reader.cache_clear()
+    """Unmap the files whose tensors were read (an engine, once loaded): the pages of a mapped file it
+    touched count in its RSS. The parsed metadata stays (a tokenizer built later reads it)."""
+    _mapped.cache_clear()
 
 
 def _field(path: Path, key: str, default=None):
-    field = reader(path).get_field(key)
-    return default if field is None else field.contents()
+    value = parsed(path).fields.get(key)
+    return default if value is None else value
 
 
 def _required(path: Path, key: str):
@@ -118,17 +152,17 @@ def gguf_config(path: Path) -> dict:
 @lru_cache(maxsize=2)
 def tensor_names(path: Path) -> dict[str, int]:
     """GGUF tensor name → its index in the file."""
-    return {tensor.name: i for i, tensor in enumerate(reader(path).tensors)}
+    return {name: i for i, name in enumerate(parsed(path).tensors)}
 
 
 def dequantized(path: Path, name: str) -> np.ndarray:
     from gguf.quants import dequantize
 
-    tensor = reader(path).tensors[tensor_names(path)[name]]
+    kind = parsed(path).tensors[name].kind
     try:
-        return dequantize(tensor.data, tensor.tensor_type)
+        return dequantize(tensor_data(path, name), kind)
     except NotImplementedError:
-        raise CheckpointError(f"{path}: tensor {name} has type {tensor.tensor_type.name}, "
+        raise CheckpointError(f"{path}: tensor {name} has type {kind.name}, "
                               "which the gguf package cannot dequantize") from None
 
 
@@ -141,19 +175,20 @@ FOUR_BIT_TYPES = {"Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "IQ4_NL", "IQ4
 
 def tensor_type(path: Path, name: str) -> str:
     """The GGUF type of a tensor (F32, BF16, Q8_0, Q4_1, Q4_K, ...)."""
-    return reader(path).tensors[tensor_names(path)[name]].tensor_type.name
+    return parsed(path).tensors[name].kind.name
 
 
 def block_grids(path: Path, name: str) -> tuple[np.ndarray, np.ndarray] | None:
     """For a Q4_0 / Q4_1 tensor [rows, cols]: each 32-value block's (scale, low) as float32 arrays
     [rows, cols / 32], read from the block headers (so codes can be recovered exactly); else None."""
-    tensor = reader(path).tensors[tensor_names(path)[name]]
-    size = GRID_TYPES.get(tensor.tensor_type.name)
+    kind = parsed(path).tensors[name].kind.name
+    size = GRID_TYPES.get(kind)
     if size is None:
         return None
-    blocks = np.asarray(tensor.data).reshape(tensor.data.shape[0], -1, size)
+    data = tensor_data(path, name)
+    blocks = np.asarray(data).reshape(data.shape[0], -1, size)
     scale = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)
-    if tensor.tensor_type.name == "Q4_0":
+    if kind == "Q4_0":
         return scale, -8 * scale
     low = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0].astype(np.float32)
     return scale, low

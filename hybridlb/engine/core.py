@@ -59,7 +59,7 @@ class EngineCore:
         self.config = config
         self.dp = dp or DPContext()
         self.rank = self.dp.rank
-        self.eos_token_ids = set(read_eos_token_ids(config.model))  # before the runner, which drops the parsed file
+        self.eos_token_ids = set(read_eos_token_ids(config.model))
         self.runner = runner or _load_runner(config, self.dp)
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.spec.vocab_size
