@@ -107,7 +107,7 @@ def _rope(path: Path, arch: str) -> dict:
             rope["original_max_position_embeddings"] = int(original)
     elif scaling != "none":
         raise CheckpointError(f"{path}: GGUF rope scaling {scaling!r} is not supported; supported: linear, yarn")
-    if "rope_freqs.weight" in tensor_names(path):
+    if "rope_freqs.weight" in parsed(path).tensors:
         # Llama 3.1+: llama.cpp stores the llama3 per-frequency divisors as a tensor.
         rope["freq_factors"] = dequantized(path, "rope_freqs.weight").tolist()
     return rope
@@ -127,7 +127,7 @@ def gguf_config(path: Path) -> dict:
     if not isinstance(kv_heads, int):
         raise CheckpointError(f"{path}: per-layer {arch}.attention.head_count_kv is not supported")
     hidden = int(_required(path, f"{arch}.embedding_length"))
-    names = tensor_names(path)
+    names = parsed(path).tensors
     eos = _field(path, "tokenizer.ggml.eos_token_id")
     return {
         "architectures": [ARCHITECTURES[arch]],
@@ -147,12 +147,6 @@ def gguf_config(path: Path) -> dict:
         "hidden_act": "silu",
         "eos_token_id": eos,
     }
-
-
-@lru_cache(maxsize=2)
-def tensor_names(path: Path) -> dict[str, int]:
-    """GGUF tensor name → its index in the file."""
-    return {name: i for i, name in enumerate(parsed(path).tensors)}
 
 
 def dequantized(path: Path, name: str) -> np.ndarray:

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hybridlb.checkpoint.gguf import block_grids, dequantized, gguf_config, tensor_names, tensor_type
+from hybridlb.checkpoint.gguf import block_grids, dequantized, gguf_config, parsed, tensor_type
 from hybridlb.checkpoint.path import CheckpointError
 
 LAYER_TENSORS = {
@@ -42,7 +42,7 @@ GLOBAL_TENSORS = {
 def checkpoint_names(path: Path) -> dict[str, str]:
     """Hugging Face tensor name → GGUF tensor name, for every tensor the file holds."""
     names = {}
-    for name in tensor_names(path):
+    for name in parsed(path).tensors:
         if name in GLOBAL_TENSORS:
             names[GLOBAL_TENSORS[name]] = name
         elif match := re.fullmatch(r"blk\.(\d+)\.(.+)", name):
