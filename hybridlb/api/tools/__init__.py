@@ -3,8 +3,11 @@
 A parser (one module per model family: ``hermes``, ``llama3_json``, ``mistral``,
 ``pythonic``; ``forced`` for the calls a grammar forced) reads the text generated so far
 and says what is surely content and which calls it holds so far (``Scan``): each call's
-name once it is whole and its arguments' JSON text so far, which only ever grows. Both
-shapes of the response come from that one reading:
+name once it is whole and its arguments' JSON text so far, which only ever grows. A parser
+goes on from where its last scan stopped, so a stream costs time linear in its length (it
+runs on the API server's event loop); output nested deeper or longer than a parser reads
+safely is content (``pythonic.MAX_SOURCE``, ``MAX_DEPTH``), never an error.
+Both shapes of the response come from that one reading:
 
 * ``extract(parser, text)``: the whole output as ``(content, tool_calls)``; text that does
   not parse as the family's calls is returned as content, as vLLM does;
@@ -24,12 +27,13 @@ __all__ = ["CallSoFar", "Scan", "ToolParser", "ToolStream", "content_before", "e
 def _valid_arguments(arguments: str) -> bool:
     try:
         return isinstance(json.loads(arguments), dict)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # RecursionError: nested deeper than json.loads goes
         return False
 
 
 def extract(parser: ToolParser, text: str) -> tuple[str | None, list[dict]]:
     """The whole output as (content, tool_calls); (text, []) when it holds no well-formed calls."""
+    parser.reset()
     try:
         scan = parser.scan(text, final=True)
     except ValueError:
@@ -50,9 +54,11 @@ class ToolStream:
 
     def __init__(self, parser: ToolParser):
         self.parser = parser
+        parser.reset()
         self.text = ""
         self.content_sent = 0
         self.sent: list[list] = []  # per call: [id, characters of its arguments sent]
+        self.settled = 0  # the calls before this one are whole and sent: a push skips them
         self.as_content = False  # the calls did not parse: everything from there on is content
 
     @property
@@ -71,7 +77,8 @@ class ToolStream:
         if final and (scan.undecided or (scan.calls and not self.sent and any(c.name is None for c in scan.calls))):
             return self._content(self.text), []  # it never became a call: it was content
         deltas = []
-        for index, call in enumerate(scan.calls):
+        for index in range(self.settled, len(scan.calls)):
+            call = scan.calls[index]
             if call.name is None:
                 break  # a later call's deltas wait for this one's name
             if index == len(self.sent):
@@ -83,6 +90,8 @@ class ToolStream:
             if fresh:
                 self.sent[index][1] = len(call.arguments)
                 deltas.append({"index": index, "function": {"arguments": fresh}})
+            if call.complete and index == self.settled:
+                self.settled += 1
         return self._content(scan.content), deltas
 
     def _content(self, content: str) -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 
 from hybridlb.api.tools.base import CallSoFar, Scan, ToolParser
-from hybridlb.api.tools.json_calls import json_call_list
+from hybridlb.api.tools.json_calls import JsonCalls
 from hybridlb.api.tools.json_scan import skip_ws
 
 ANY_OBJECT = {"type": "object"}
@@ -47,6 +47,7 @@ class NamedParser(ToolParser):
 
     def __init__(self, function: str):
         self.function = function
+        super().__init__()
 
     def scan(self, text: str, final: bool) -> Scan:
         return Scan("", [CallSoFar(self.function, text.strip() if final else text.lstrip(), final)])
@@ -55,10 +56,15 @@ class NamedParser(ToolParser):
 class RequiredParser(ToolParser):
     name = "required"
 
+    def reset(self) -> None:
+        self.calls: JsonCalls | None = None  # once the list has begun
+
     def scan(self, text: str, final: bool) -> Scan:
-        at = skip_ws(text, 0)
-        if at >= len(text):
-            return Scan("")
-        if text[at] != "[":
-            raise ValueError("expected a list of calls")
-        return Scan("", json_call_list(text, at, final, ("parameters",)))
+        if self.calls is None:
+            at = skip_ws(text, 0)
+            if at >= len(text):
+                return Scan("")
+            if text[at] != "[":
+                raise ValueError("expected a list of calls")
+            self.calls = JsonCalls(at + 1, ("parameters",))
+        return Scan("", self.calls.advance(text, final))

@@ -4,9 +4,9 @@ before the first call is content."""
 
 from __future__ import annotations
 
-from hybridlb.api.tools.base import Scan, ToolParser, content_before
-from hybridlb.api.tools.json_calls import json_call
-from hybridlb.api.tools.json_scan import scan_object, skip_ws
+from hybridlb.api.tools.base import CallSoFar, MarkerSearch, Scan, ToolParser, content_before
+from hybridlb.api.tools.json_calls import JsonCall
+from hybridlb.api.tools.json_scan import skip_ws
 
 START = "<tool_call>"
 
@@ -14,19 +14,35 @@ START = "<tool_call>"
 class HermesParser(ToolParser):
     name = "hermes"
 
+    def reset(self) -> None:
+        self.search = MarkerSearch(START)  # for the next call's marker
+        self.content: str | None = None  # the text before the first marker, once there
+        self.calls: list[CallSoFar] = []  # the whole ones
+        self.current: JsonCall | None = None
+        self.object_at: int | None = None  # where the next call's object may begin, after a marker
+
     def scan(self, text: str, final: bool) -> Scan:
-        first = text.find(START)
-        if first < 0:
-            return Scan(content_before(text, START, final))
-        calls = []
-        at = first
-        while at >= 0:
-            start = skip_ws(text, at + len(START))
-            if start >= len(text):
-                break
-            found = scan_object(text, start, final)
-            calls.append(json_call(text, found))
-            if found.end is None:
-                break
-            at = text.find(START, found.end)
-        return Scan(text[:first], calls)
+        if self.content is None:
+            first = self.search.find(text)
+            if first < 0:
+                return Scan(content_before(text, START, final))
+            self.content, self.object_at = text[:first], first + len(START)
+        return Scan(self.content, self._calls(text, final))
+
+    def _calls(self, text: str, final: bool) -> list[CallSoFar]:
+        while True:
+            if self.current is not None:
+                call = self.current.advance(text, final)
+                if not call.complete:
+                    return [*self.calls, call]
+                self.calls.append(call)
+                self.search.start, self.current = self.current.end, None
+            if self.object_at is None:
+                at = self.search.find(text)
+                if at < 0:
+                    return list(self.calls)
+                self.object_at = at + len(START)
+            self.object_at = skip_ws(text, self.object_at)
+            if self.object_at >= len(text):
+                return list(self.calls)
+            self.current, self.object_at = JsonCall(self.object_at), None

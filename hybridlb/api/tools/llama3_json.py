@@ -5,8 +5,8 @@
 from __future__ import annotations
 
 from hybridlb.api.tools.base import Scan, ToolParser
-from hybridlb.api.tools.json_calls import json_call
-from hybridlb.api.tools.json_scan import scan_object, skip_ws
+from hybridlb.api.tools.json_calls import JsonCalls
+from hybridlb.api.tools.json_scan import skip_ws
 
 TAG = "<|python_tag|>"
 
@@ -15,26 +15,30 @@ class Llama3JsonParser(ToolParser):
     name = "llama3_json"
     skip_special_tokens = False  # <|python_tag|> is a special token
 
+    def reset(self) -> None:
+        self.calls: JsonCalls | None = None  # once the output starts as calls
+        self.is_content = False  # once it starts otherwise
+
     def scan(self, text: str, final: bool) -> Scan:
+        if self.calls is None and not self.is_content:
+            start = self._first_call(text, final)
+            if isinstance(start, Scan):
+                return start
+            self.calls = JsonCalls(start, ("parameters", "arguments"), separators=";,", close=None)
+        if self.is_content:
+            return Scan(text)
+        return Scan("", self.calls.advance(text, final))
+
+    def _first_call(self, text: str, final: bool) -> int | Scan:
+        """Where the first call's object begins; a Scan while that is not known, or for content."""
         start = skip_ws(text, 0)
-        rest = text[start:]
-        if rest.startswith(TAG):
+        if text.startswith(TAG, start):
             start = skip_ws(text, start + len(TAG))
-        elif not final and (not rest or TAG.startswith(rest)):
+        elif not final and len(text) - start <= len(TAG) and TAG.startswith(text[start:]):
             return Scan("", undecided=True)
         if start >= len(text):
             return Scan("" if not final else text, undecided=True)
         if text[start] != "{":
+            self.is_content = True  # decided by the output's start, which no later text changes
             return Scan(text)
-        calls = []
-        while start < len(text):
-            found = scan_object(text, start, final)
-            calls.append(json_call(text, found, ("parameters", "arguments")))
-            if found.end is None:
-                break
-            start = skip_ws(text, found.end)
-            if start < len(text) and text[start] in ";,":
-                start = skip_ws(text, start + 1)
-            elif start < len(text):
-                raise ValueError(f"unexpected text after a call: {text[start:start + 20]!r}")
-        return Scan("", calls)
+        return start

@@ -7,9 +7,9 @@ from __future__ import annotations
 import secrets
 import string
 
-from hybridlb.api.tools.base import CallSoFar, Scan, ToolParser, content_before
-from hybridlb.api.tools.json_calls import json_call_list
-from hybridlb.api.tools.json_scan import skip_ws, value_end
+from hybridlb.api.tools.base import CallSoFar, MarkerSearch, Scan, ToolParser, content_before
+from hybridlb.api.tools.json_calls import JsonCalls
+from hybridlb.api.tools.json_scan import ValueScan, skip_ws
 
 MARK = "[TOOL_CALLS]"
 ARGS = "[ARGS]"
@@ -20,33 +20,71 @@ class MistralParser(ToolParser):
     name = "mistral"
     skip_special_tokens = False  # [TOOL_CALLS] is a special token
 
+    def reset(self) -> None:
+        self.search = MarkerSearch(MARK)
+        self.first: int | None = None  # where the first marker is
+        self.content = ""  # the text before it
+        self.calls: JsonCalls | NamedCalls | None = None  # once the first call's form is known
+
     def call_id(self) -> str:
         return "".join(secrets.choice(_ID_CHARS) for _ in range(9))
 
     def scan(self, text: str, final: bool) -> Scan:
-        first = text.find(MARK)
-        if first < 0:
-            return Scan(content_before(text, MARK, final))
-        start = skip_ws(text, first + len(MARK))
-        if start >= len(text):
-            return Scan(text[:first])
-        calls = json_call_list(text, start, final) if text[start] == "[" else self._named(text, first, final)
-        return Scan(text[:first], calls)
+        if self.first is None:
+            self.first = self.search.find(text)
+            if self.first < 0:
+                self.first = None
+                return Scan(content_before(text, MARK, final))
+            self.content = text[: self.first]
+        if self.calls is None:
+            start = skip_ws(text, self.first + len(MARK))
+            if start >= len(text):
+                return Scan(self.content)
+            self.calls = JsonCalls(start + 1, ("arguments",)) if text[start] == "[" else NamedCalls(self.first)
+        return Scan(self.content, self.calls.advance(text, final))
 
-    def _named(self, text: str, at: int, final: bool) -> list[CallSoFar]:
-        calls = []
-        while at >= 0:
-            name_start = at + len(MARK)
-            args_at = text.find(ARGS, name_start)
-            if args_at < 0:
-                if final:
-                    raise ValueError(f"{MARK} without {ARGS}")
-                break
-            name = text[name_start:args_at].strip()
-            start = skip_ws(text, args_at + len(ARGS))
-            end = value_end(text, start, final) if start < len(text) else None
-            calls.append(CallSoFar(name, text[start:end] if end is not None else text[start:], end is not None))
-            if end is None:
-                break
-            at = text.find(MARK, end)
-        return calls
+
+class NamedCalls:
+    """``[TOOL_CALLS]name[ARGS]{...}`` calls from the marker at ``text[at]`` on, the last one
+    perhaps unfinished."""
+
+    def __init__(self, at: int):
+        self.calls: list[CallSoFar] = []  # the whole ones
+        self.name_start: int | None = at + len(MARK)  # None: looking for the next marker
+        self.args = MarkerSearch(ARGS, at + len(MARK))
+        self.marks = MarkerSearch(MARK)
+        self.name = ""
+        self.arguments: ValueScan | None = None  # the current call's, once past [ARGS]
+        self.arguments_at: int | None = None  # where they may begin, before any text is there
+
+    def advance(self, text: str, final: bool) -> list[CallSoFar]:
+        while True:
+            if self.arguments is not None:
+                end = self.arguments.advance(text, final)
+                start = self.arguments.start
+                if end is None:
+                    return [*self.calls, CallSoFar(self.name, text[start:])]
+                self.calls.append(CallSoFar(self.name, text[start:end], True))
+                self.arguments, self.marks.start = None, end
+            if self.name_start is None:
+                at = self.marks.find(text)
+                if at < 0:
+                    return list(self.calls)
+                self.name_start = at + len(MARK)
+                self.args = MarkerSearch(ARGS, self.name_start)
+            if self.arguments_at is None and not self._read_name(text, final):
+                return list(self.calls)
+            self.arguments_at = skip_ws(text, self.arguments_at)
+            if self.arguments_at >= len(text):
+                return [*self.calls, CallSoFar(self.name, "")]
+            self.arguments, self.arguments_at, self.name_start = ValueScan(self.arguments_at), None, None
+
+    def _read_name(self, text: str, final: bool) -> bool:
+        """The name up to [ARGS]; False while [ARGS] has not come."""
+        args_at = self.args.find(text)
+        if args_at < 0:
+            if final:
+                raise ValueError(f"{MARK} without {ARGS}")
+            return False
+        self.name, self.arguments_at = text[self.name_start : args_at].strip(), args_at + len(ARGS)
+        return True
