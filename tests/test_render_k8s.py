@@ -34,11 +34,21 @@ def _command_for(pod: dict, index: int, leader: str) -> list[str]:
     return shlex.split(serve)
 
 
+def _kind(docs: list[dict], kind: str) -> dict:
+    return next(d for d in docs if d["kind"] == kind)
+
+
+def _containers(docs: list[dict]) -> list[dict]:
+    """The leader's and the workers' container."""
+    lws = _kind(docs, "LeaderWorkerSet")["spec"]["leaderWorkerTemplate"]
+    return [lws[role]["spec"]["containers"][0] for role in ("leaderTemplate", "workerTemplate")]
+
+
 def test_manifest_has_one_pod_per_node_and_valid_commands(tmp_path):
     docs = _documents("configs/multinode.yaml")
     kinds = [d["kind"] for d in docs]
-    assert kinds == ["ConfigMap", "LeaderWorkerSet", "Service", "Service", "Service"]
-    lws = docs[1]["spec"]["leaderWorkerTemplate"]
+    assert kinds == ["ConfigMap", "Secret", "LeaderWorkerSet", "Service", "Service", "Service", "NetworkPolicy"]
+    lws = _kind(docs, "LeaderWorkerSet")["spec"]["leaderWorkerTemplate"]
     assert lws["size"] == 2
     shared = tmp_path / "config.yaml"
     shared.write_text(docs[0]["data"]["config.yaml"])
@@ -52,7 +62,7 @@ def test_manifest_has_one_pod_per_node_and_valid_commands(tmp_path):
         plan = subprocess.run([sys.executable, "-m", "hybridlb", "plan", *argv[2:]], capture_output=True, text=True)
         assert plan.returncode == 0, plan.stderr
         assert f"{2 * index}..{2 * index + 1}" in plan.stdout
-    services = {d["metadata"]["name"]: d["spec"]["selector"] for d in docs[2:]}
+    services = {d["metadata"]["name"]: d["spec"]["selector"] for d in docs if d["kind"] == "Service"}
     per_node = [s for name, s in services.items() if name.endswith(("-node-0", "-node-1"))]
     assert [s["leaderworkerset.sigs.k8s.io/worker-index"] for s in per_node] == ["0", "1"]
     # One Service across the group: every serving pod of it, on the API port.
@@ -80,7 +90,8 @@ def test_a_cluster_without_node_addresses_renders_with_its_token_in_a_secret(tmp
     path.write_text(f"engine: {{model: {tiny_qwen3}, kv_cache_gib: 1}}\n"
                     "data_parallel: {size: 4, size_local: 2, cluster_token: s3cret-token-for-the-test}\n")
     docs = _documents(str(path), memory_gib=None, model_host_path="/data/tiny")
-    assert [d["kind"] for d in docs] == ["ConfigMap", "Secret", "LeaderWorkerSet", "Service", "Service", "Service"]
+    assert [d["kind"] for d in docs] == ["ConfigMap", "Secret", "LeaderWorkerSet", "Service", "Service", "Service",
+                                         "NetworkPolicy"]
     assert "s3cret" not in docs[0]["data"]["config.yaml"]
     assert docs[1]["stringData"]["token"] == "s3cret-token-for-the-test"
     pod = docs[2]["spec"]["leaderWorkerTemplate"]["workerTemplate"]
@@ -99,14 +110,15 @@ def test_a_cluster_without_node_addresses_renders_with_its_token_in_a_secret(tmp
 
 def test_pods_are_unprivileged_and_secrets_stay_out_of_the_config_map(tmp_path, tiny_qwen3):
     """The API key is a Secret like the token; every pod runs as the image's unprivileged user
-    with a read-only root, no capabilities and no service-account token; --network-policy keeps
-    the cluster's ports to the group and leaves HTTP and KV events open."""
+    with a read-only root, no capabilities and no service-account token; the NetworkPolicy keeps
+    the cluster's ports to the group, the KV events (prompt token ids) to llm-d's endpoint picker,
+    and leaves HTTP open."""
     path = tmp_path / "lws.yaml"
     events = "{enable_kv_cache_events: true, endpoint: 'tcp://*:5557'}"  # bound beyond loopback: for the indexer
     path.write_text(f"engine: {{model: {tiny_qwen3}, kv_events: {events}}}\n"
                     "api: {api_key: sk-the-api-key}\n"
                     "data_parallel: {size: 4, size_local: 2, cluster_token: a-token-of-thirty-two-characters}\n")
-    docs = _documents(str(path), network_policy=True)
+    docs = _documents(str(path))
     assert "sk-the-api-key" not in docs[0]["data"]["config.yaml"]
     secrets = {d["metadata"]["name"]: d["stringData"] for d in docs if d["kind"] == "Secret"}
     assert secrets["hybridlb-default-api-key"] == {"api_key": "sk-the-api-key"}
@@ -121,12 +133,52 @@ def test_pods_are_unprivileged_and_secrets_stay_out_of_the_config_map(tmp_path, 
         assert key["valueFrom"]["secretKeyRef"] == {"name": "hybridlb-default-api-key", "key": "api_key"}
     policy = next(d for d in docs if d["kind"] == "NetworkPolicy")
     assert _problems(policy, _schema("networkpolicy-v1")) == []
-    group, public = policy["spec"]["ingress"]
+    group, public, kv_events = policy["spec"]["ingress"]
     assert group["from"][0]["podSelector"]["matchLabels"] == {LWS_NAME_LABEL: "hybridlb-default"}
-    assert public["ports"] == [{"protocol": "TCP", "port": 8000},
-                               {"protocol": "TCP", "port": 5557, "endPort": 5560}]  # HTTP, KV events of 4 ranks
+    assert public == {"ports": [{"protocol": "TCP", "port": 8000}]}
+    # The KV events of 4 ranks, to the pods the inferencepool chart labels as the endpoint picker hybridlb-default-epp.
+    assert kv_events == {"from": [{"podSelector": {"matchLabels": {"inferencepool": "hybridlb-default-epp"}}}],
+                         "ports": [{"protocol": "TCP", "port": 5557, "endPort": 5560}]}
     assert "sk-the-api-key" not in yaml.safe_dump(docs[0]) and not any(
         "sk-the-api-key" in json.dumps(d) for d in docs if d["kind"] not in ("Secret",))
+
+
+def _render(path: Path, *flags: str) -> list[dict]:
+    run = subprocess.run([sys.executable, "-m", "hybridlb", "render", "k8s", str(path), *flags],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    return list(yaml.safe_load_all(run.stdout))
+
+
+def test_a_config_without_a_token_renders_a_closed_handshake_and_kv_events_for_the_scheduler_only(tmp_path):
+    """No token in the config: each render draws one into a Secret every pod reads, so only the
+    group's pods can join; the NetworkPolicy comes by default and admits only the scheduler's pods
+    (--kv-events-from) to the KV-event ports. Both can be turned off."""
+    path = tmp_path / "lws.yaml"
+    events = "{enable_kv_cache_events: true, endpoint: 'tcp://*:5557'}"
+    path.write_text(f"engine: {{model: /models/m, kv_events: {events}}}\ndata_parallel: {{size: 4, size_local: 2}}\n")
+    docs = _render(path, "--memory-gib", "8")
+    token = _kind(docs, "Secret")
+    assert token["metadata"]["name"] == "hybridlb-default-token" and len(token["stringData"]["token"]) >= 32
+    assert _problems(token, _schema("secret-v1")) == []
+    for container in _containers(docs):
+        env = next(e for e in container["env"] if e["name"] == "HYBRIDLB_CLUSTER_TOKEN")
+        assert env["valueFrom"]["secretKeyRef"] == {"name": "hybridlb-default-token", "key": "token"}
+    assert token["stringData"]["token"] not in docs[0]["data"]["config.yaml"]
+    assert _kind(_render(path, "--memory-gib", "8"), "Secret")["stringData"] != token["stringData"]  # drawn anew
+    kv_rule = _kind(docs, "NetworkPolicy")["spec"]["ingress"][-1]
+    assert kv_rule["from"] == [{"podSelector": {"matchLabels": {"inferencepool": "hybridlb-default-epp"}}}]
+    assert kv_rule["ports"] == [{"protocol": "TCP", "port": 5557, "endPort": 5560}]
+    policy = _kind(_render(path, "--memory-gib", "8", "--kv-events-from", "app=my-epp"), "NetworkPolicy")
+    assert policy["spec"]["ingress"][-1]["from"] == [{"podSelector": {"matchLabels": {"app": "my-epp"}}}]
+
+    bare = _render(path, "--memory-gib", "8", "--no-token-secret", "--no-network-policy")
+    assert {d["kind"] for d in bare} == {"ConfigMap", "LeaderWorkerSet", "Service"}
+    assert all(e["name"] != "HYBRIDLB_CLUSTER_TOKEN" for c in _containers(bare) for e in c["env"])
+    path.write_text(path.read_text().replace("size_local: 2", "size_local: 2, cluster_token: a-token-of-32-chars"))
+    run = subprocess.run([sys.executable, "-m", "hybridlb", "render", "k8s", str(path), "--no-token-secret"],
+                         capture_output=True, text=True)
+    assert run.returncode != 0 and "data_parallel.cluster_token is set" in run.stderr
 
 
 def test_render_names_what_is_missing(tmp_path):
@@ -151,7 +203,8 @@ def test_the_readme_command_renders_the_multinode_config_as_written():
                          capture_output=True, text=True, cwd=Path(__file__).parent.parent)
     assert run.returncode == 0, run.stderr
     docs = list(yaml.safe_load_all(run.stdout))
-    schemas = {kind: _schema(f"{kind.lower()}-v1") for kind in ("ConfigMap", "Service", "LeaderWorkerSet")}
+    schemas = {kind: _schema(f"{kind.lower()}-v1")
+               for kind in ("ConfigMap", "Secret", "Service", "LeaderWorkerSet", "NetworkPolicy")}
     for document in docs:
         assert _problems(document, schemas[document["kind"]]) == [], document["kind"]
     assert [d["kind"] for d in docs].count("Service") == 3
@@ -176,7 +229,8 @@ def test_the_manifest_validates_against_the_kubernetes_and_leaderworkerset_schem
     path.write_text(f"engine: {{model: {tiny_qwen3}, device: {device}}}\n"
                     "data_parallel: {size: 4, size_local: 2, cluster_token: a-token-of-thirty-two-characters}\n")
     docs = _documents(str(path), memory_gib=None, model_pvc="models")
-    schemas = {kind: _schema(f"{kind.lower()}-v1") for kind in ("ConfigMap", "Secret", "Service", "LeaderWorkerSet")}
+    schemas = {kind: _schema(f"{kind.lower()}-v1")
+               for kind in ("ConfigMap", "Secret", "Service", "LeaderWorkerSet", "NetworkPolicy")}
     templates = _schema("podtemplatespec-v1")
     for document in docs:
         assert _problems(document, schemas[document["kind"]]) == [], document["kind"]
@@ -207,13 +261,15 @@ def test_the_dockerfile_installs_the_pinned_torch_and_runs_the_manifests_command
     assert f"ARG TORCH={pin}\n" in dockerfile
     assert "COPY hybridlb ./hybridlb" in dockerfile and "pip install --no-cache-dir ." in dockerfile
     assert "gcc" in dockerfile  # the CPU kernels are compiled on first start
-    script = _documents("configs/multinode.yaml")[1]["spec"]["leaderWorkerTemplate"]["leaderTemplate"]
-    assert "exec hybridlb serve" in script["spec"]["containers"][0]["command"][2]  # on the image's PATH
+    leader = _containers(_documents("configs/multinode.yaml"))[0]
+    assert "exec hybridlb serve" in leader["command"][2]  # on the image's PATH
 
 
 def test_multi_port_renders_llm_d_s_pod_shape(tmp_path, tiny_qwen3):
     """`--lb multi-port`: a port per rank (what the InferencePool lists and the PodMonitor scrapes), the
-    probes on the supervisor's port with llm-d's periods, and pods that start multi-port serve."""
+    probes on the supervisor's port with llm-d's periods (liveness on /health, which only a rank left
+    dead fails; readiness and start-up on /readyz, which a rank's restart does not), and pods that
+    start multi-port serve."""
     path = tmp_path / "lws.yaml"
     path.write_text(f"engine: {{model: {tiny_qwen3}}}\napi: {{port: 8200}}\nlb: {{supervisor_port: 8208}}\n"
                     "data_parallel: {size: 4, size_local: 2}\n")
@@ -222,13 +278,14 @@ def test_multi_port_renders_llm_d_s_pod_shape(tmp_path, tiny_qwen3):
     assert run.returncode == 0, run.stderr
     docs = list(yaml.safe_load_all(run.stdout))
     kinds = [d["kind"] for d in docs]
-    assert kinds == ["ConfigMap", "LeaderWorkerSet", "Service", "Service", "Service", "InferencePool", "PodMonitor"]
-    schemas = {kind: _schema(f"{kind.lower()}-v1")
-               for kind in ("ConfigMap", "Service", "LeaderWorkerSet", "InferencePool", "PodMonitor")}
+    assert kinds == ["ConfigMap", "Secret", "LeaderWorkerSet", "Service", "Service", "Service", "InferencePool",
+                     "PodMonitor", "NetworkPolicy"]
+    schemas = {kind: _schema(f"{kind.lower()}-v1") for kind in ("ConfigMap", "Secret", "Service", "LeaderWorkerSet",
+                                                               "InferencePool", "PodMonitor", "NetworkPolicy")}
     templates = _schema("podtemplatespec-v1")
     for document in docs:
         assert _problems(document, schemas[document["kind"]]) == [], document["kind"]
-    lws = docs[1]["spec"]["leaderWorkerTemplate"]
+    lws = _kind(docs, "LeaderWorkerSet")["spec"]["leaderWorkerTemplate"]
     for role in ("leaderTemplate", "workerTemplate"):
         assert _problems(lws[role], templates) == [], role
         container = lws[role]["spec"]["containers"][0]
@@ -236,9 +293,9 @@ def test_multi_port_renders_llm_d_s_pod_shape(tmp_path, tiny_qwen3):
         assert ports["rank0"] == 8200 and ports["rank1"] == 8201 and ports["supervisor"] == 8208
         assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "supervisor"}
         assert container["livenessProbe"]["httpGet"] == {"path": "/health", "port": "supervisor"}
-        assert container["startupProbe"]["httpGet"] == {"path": "/health", "port": "supervisor"}
+        assert container["startupProbe"]["httpGet"] == {"path": "/readyz", "port": "supervisor"}
         assert "--lb-mode multi_port" in container["command"][2]
-    pool, monitor = docs[5], docs[6]
+    pool, monitor = _kind(docs, "InferencePool"), _kind(docs, "PodMonitor")
     assert [p["number"] for p in pool["spec"]["targetPorts"]] == [8200, 8201]
     assert [e["port"] for e in monitor["spec"]["podMetricsEndpoints"]] == ["rank0", "rank1"]
     # Each pod's command plans what llm-d runs: two ranks on 8200 and 8201, the supervisor on 8208.
@@ -261,7 +318,7 @@ def test_multi_port_pods_publish_kv_events_under_llm_d_s_topic(tmp_path, tiny_qw
     docs = list(yaml.safe_load_all(run.stdout))
     shared = yaml.safe_load(docs[0]["data"]["config.yaml"])
     assert shared["engine"]["kv_events"]["topic"] == "kv@${POD_IP}:{port}@{model}"  # each rank fills its port in
-    container = docs[1]["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0]
+    container = _containers(docs)[1]
     assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in container["env"]
 
 

@@ -31,18 +31,29 @@ def render_k8s(
              "shape (a port per rank, probes on a supervisor port, an InferencePool over every rank port and a "
              "PodMonitor).")] = None,
     network_policy: Annotated[bool, typer.Option(
-        help="Also a NetworkPolicy: the HTTP ports open, the cluster's own ports to the group's pods only.")] = False,
+        help="A NetworkPolicy: the HTTP ports open, the KV-event ports (prompt token ids) to the scheduler's pods "
+             "(--kv-events-from), the cluster's own ports to the group's pods only.")] = True,
+    kv_events_from: Annotated[str | None, typer.Option(
+        help="The label (KEY=VALUE) of the scheduler's pods that read KV events, the only ones the NetworkPolicy "
+             "lets reach the KV-event ports (default inferencepool=hybridlb-<ray.name>-epp: how llm-d's "
+             "inferencepool chart labels the endpoint picker the InferencePool names).")] = None,
+    token_secret: Annotated[bool, typer.Option(
+        help="A Secret with the cluster token the pods read: data_parallel.cluster_token, else a random one drawn "
+             "now (each render draws a new one). Without it anyone who reaches the rpc port can join.")] = True,
     out: Annotated[Path | None, typer.Option(help="Write here instead of stdout.")] = None,
 ):
     """A LeaderWorkerSet manifest: one pod per node running `hybridlb serve`, a Service per node
-    and one across them. Without --model-pvc / --model-host-path the model must be inside the image."""
+    and one across them, the cluster token's Secret and a NetworkPolicy. Without --model-pvc /
+    --model-host-path the model must be inside the image."""
     from hybridlb.launch.k8s import PodOptions, RenderError, memory_note, render, whole_cluster
 
     try:
         overrides = {"lb": {"mode": lb.replace("-", "_")}} if lb else {}
         cfg = whole_cluster(build_config(config, None, overrides))
         plan, _ = plan_of(cfg)
-        options = PodOptions(image, model_pvc, model_host_path, memory_gib, shm_gib, network_policy)
+        options = PodOptions(image=image, model_pvc=model_pvc, model_host_path=model_host_path,
+                             memory_gib=memory_gib, shm_gib=shm_gib, network_policy=network_policy,
+                             token_secret=token_secret, kv_events_from=kv_events_from)
         manifest = render(cfg, plan, options)
     except RenderError as exc:
         fail(str(exc))

@@ -4,22 +4,29 @@ Each pod runs ``hybridlb serve`` with the shared config (a ConfigMap mounted as 
 computes its start rank from the worker index LeaderWorkerSet gives it; the leader (index 0)
 is the head node, reached by every pod at ``$LWS_LEADER_ADDRESS`` (a DNS name), so no node
 address need be known in advance. The cluster token lives in a Secret, read from the
-environment. The model comes from a volume (a PersistentVolumeClaim or a host path, mounted
-where ``engine.model`` points) or is baked into the image. Every pod gets a memory request
-sized from the model, a memory-backed ``/dev/shm``, a startup probe that gives a slow load
-its time before liveness applies, and labels an llm-d InferencePool can select; every node
-that serves HTTP gets a Service of its own, and one Service spans them all (what a plain
-client or an Ingress points at). Pods run unprivileged (non-root, no privilege escalation, no
-capabilities, a read-only root with /tmp an emptyDir, no service-account token); the API key,
-like the cluster token, is a Secret, never in the ConfigMap; ``--network-policy`` adds a
-NetworkPolicy that opens the HTTP (and KV-event) ports and keeps the cluster's own ports to
-the group's pods.
+environment: the config's, else one drawn at render time, so that only the group's pods can
+join (``--no-token-secret`` leaves the handshake open). The model comes from a volume (a
+PersistentVolumeClaim or a host path, mounted where ``engine.model`` points) or is baked into
+the image. Every pod gets a memory request sized from the model, a memory-backed
+``/dev/shm``, a startup probe that gives a slow load its time before liveness applies, and
+labels an llm-d InferencePool can select; every node that serves HTTP gets a Service of its
+own, and one Service spans them all (what a plain client or an Ingress points at). Multi-port
+pods are probed on the supervisor: liveness on ``/health`` (no rank left dead, the supervisor
+not wedged), readiness and start-up on ``/readyz`` (a rank serves, once every rank has been up).
+
+Pods run unprivileged (non-root, no privilege escalation, no capabilities, a read-only root
+with /tmp an emptyDir, no service-account token); the API key, like the cluster token, is a
+Secret, never in the ConfigMap. A NetworkPolicy (``--no-network-policy`` leaves it out) opens
+the HTTP ports, admits only the scheduler's pods (llm-d's endpoint picker, whose KV-cache
+indexer reads them) to the KV-event ports, which carry prompt token ids, and keeps the
+cluster's own ports to the group's pods.
 """
 
 from __future__ import annotations
 
 import math
 import posixpath
+import secrets
 from dataclasses import dataclass
 
 import yaml
@@ -41,6 +48,9 @@ API_SERVER_GIB = 1.0
 UNREAD_MODEL_WEIGHTS_GIB = 16.0
 MAX_POOL_PORTS = 8  # targetPorts an InferencePool (inference.networking.k8s.io/v1) may list
 ENDPOINT_PICKER_PORT = 9002  # the gRPC port of llm-d's endpoint picker Service, NAME-epp
+# The label the inferencepool chart (gateway-api-inference-extension, which llm-d installs) puts on
+# its endpoint picker's pods: inferencepool=RELEASE-epp.
+ENDPOINT_PICKER_LABEL = "inferencepool"
 # The topic llm-d's KV-cache indexer keys a pod's events by: its IP, the port of the rank (filled in
 # per engine), the model.
 LLM_D_KV_TOPIC = "kv@${POD_IP}:{port}@{model}"
@@ -60,7 +70,9 @@ class PodOptions:
     model_host_path: str | None = None
     memory_gib: float | None = None  # default: estimated from the model (``pod_memory_gib``)
     shm_gib: float = 1.0
-    network_policy: bool = False  # a NetworkPolicy: the cluster ports open to the group's own pods only
+    network_policy: bool = True  # a NetworkPolicy: the cluster ports open to the group's own pods only
+    token_secret: bool = True  # a Secret with the cluster token: the config's, else drawn at render time
+    kv_events_from: str | None = None  # KEY=VALUE: the scheduler's pods (default: the endpoint picker's label)
 
 
 class _NoAliases(yaml.SafeDumper):
@@ -156,7 +168,7 @@ def _container(config: Config, plan: ClusterPlan, size_local: int, headless: boo
     if config.api.api_key:
         env.append({"name": "HYBRIDLB_API_KEY",
                     "valueFrom": {"secretKeyRef": {"name": f"{name}-api-key", "key": "api_key"}}})
-    if config.data_parallel.cluster_token:
+    if options.token_secret:
         env.append({"name": "HYBRIDLB_CLUSTER_TOKEN",
                     "valueFrom": {"secretKeyRef": {"name": f"{name}-token", "key": "token"}}})
     if _publishes_kv_events(config):  # the engines name their pod in their KV-event topic
@@ -169,11 +181,13 @@ def _container(config: Config, plan: ClusterPlan, size_local: int, headless: boo
         # llm-d's pod shape: a port per rank (what the InferencePool lists), the probes on the supervisor.
         container["ports"] += [{"containerPort": port + i, "name": f"rank{i}"} for i in range(size_local)]
         container["ports"].append({"containerPort": config.lb.supervisor_port, "name": "supervisor"})
-        health = {"httpGet": {"path": "/health", "port": "supervisor"}, "timeoutSeconds": 5}
-        container["startupProbe"] = {**health, "periodSeconds": 1, "failureThreshold": STARTUP_MAX_S}
-        container["livenessProbe"] = {**health, "periodSeconds": 30, "failureThreshold": 3}
-        container["readinessProbe"] = {"httpGet": {"path": "/readyz", "port": "supervisor"}, "timeoutSeconds": 5,
-                                       "periodSeconds": 10, "failureThreshold": 3}
+        # Readiness: a rank serves (one rank's restart keeps the pod in the Service); start-up: every
+        # rank has been up once; liveness: no rank left dead and the supervisor not wedged.
+        ready = {"httpGet": {"path": "/readyz", "port": "supervisor"}, "timeoutSeconds": 5}
+        container["startupProbe"] = {**ready, "periodSeconds": 1, "failureThreshold": STARTUP_MAX_S}
+        container["readinessProbe"] = {**ready, "periodSeconds": 10, "failureThreshold": 3}
+        container["livenessProbe"] = {"httpGet": {"path": "/health", "port": "supervisor"}, "timeoutSeconds": 5,
+                                      "periodSeconds": 30, "failureThreshold": 3}
         return container
     container["ports"].append({"containerPort": port, "name": "http"})
     probe = {"httpGet": {"path": "/health", "port": port}, "periodSeconds": STARTUP_PERIOD_S}
@@ -218,8 +232,8 @@ def _pod(config: Config, plan: ClusterPlan, name: str, role: str, headless: bool
 
 
 def render(config: Config, plan: ClusterPlan, options: PodOptions = PodOptions()) -> str:
-    """The manifest: ConfigMap, Secret (with a cluster token), LeaderWorkerSet, and one
-    Service per serving node."""
+    """The manifest: ConfigMap, Secrets (the cluster token, an API key), LeaderWorkerSet, one
+    Service per serving node and one across them, llm-d's objects (multi-port), NetworkPolicy."""
     sizes = {len(node.ranks) for node in plan.nodes}
     if len(sizes) > 1:
         raise RenderError("a LeaderWorkerSet gives every pod the same template: put the same number of ranks "
@@ -241,9 +255,9 @@ def render(config: Config, plan: ClusterPlan, options: PodOptions = PodOptions()
         shared["engine"]["kv_events"]["topic"] = LLM_D_KV_TOPIC
     documents = [{"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"{name}-config"},
                   "data": {"config.yaml": yaml.safe_dump(shared, sort_keys=False)}}]
-    if config.data_parallel.cluster_token:
+    if (token := _cluster_token(config, options)) is not None:
         documents.append({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": f"{name}-token"},
-                          "type": "Opaque", "stringData": {"token": config.data_parallel.cluster_token}})
+                          "type": "Opaque", "stringData": {"token": token}})
     if config.api.api_key:
         documents.append({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": f"{name}-api-key"},
                           "type": "Opaque", "stringData": {"api_key": config.api.api_key}})
@@ -269,7 +283,7 @@ def render(config: Config, plan: ClusterPlan, options: PodOptions = PodOptions()
     if plan.mode == "multi_port":
         documents += _llm_d_objects(config, plan, name)
     if options.network_policy:
-        documents.append(_network_policy(config, plan, name))
+        documents.append(_network_policy(config, plan, name, options))
     return yaml.dump_all(documents, Dumper=_NoAliases, sort_keys=False)
 
 
@@ -285,21 +299,47 @@ def _check_adapters_on_the_model_volume(config: Config, options: PodOptions) -> 
                           f"{mount}; put them under it (e.g. {mount}adapters/NAME) so the engines can read them")
 
 
-def _network_policy(config: Config, plan: ClusterPlan, name: str) -> dict:
-    """Ingress to the group's pods: the HTTP ports (and the supervisor's) from anywhere, every
-    other port (handshake, coordinator, engines, rendezvous, KV events) from the group's own
-    pods only."""
+def _cluster_token(config: Config, options: PodOptions) -> str | None:
+    """What the pods' token Secret holds: the config's token, else one drawn now (every pod of the
+    group reads the same Secret); None without the Secret."""
+    configured = config.data_parallel.cluster_token
+    if options.token_secret:
+        return configured or secrets.token_urlsafe(32)
+    if configured:
+        raise RenderError("data_parallel.cluster_token is set, and the pods read it from a Secret: drop it from "
+                          "the config to render without one (--no-token-secret)")
+    return None
+
+
+def _network_policy(config: Config, plan: ClusterPlan, name: str, options: PodOptions) -> dict:
+    """Ingress to the group's pods: the HTTP ports (and the supervisor's) from anywhere, the
+    KV-event ports (prompt token ids) from the scheduler's pods only, every other port
+    (handshake, coordinator, engines, rendezvous) from the group's own pods only."""
     open_ports = [{"protocol": "TCP", "port": port} for _, port in _serving_ports(config, plan)]
     if plan.mode == "multi_port":
         open_ports.append({"protocol": "TCP", "port": config.lb.supervisor_port})
+    group = {"podSelector": {"matchLabels": {LWS_NAME_LABEL: name}}}
+    ingress = [{"from": [group]}, {"ports": open_ports}]
     endpoint = (config.engine.kv_events.endpoint or "") if _publishes_kv_events(config) else ""
     if endpoint.startswith("tcp://*:"):  # KV events for llm-d's indexer, outside the group: rank r on port + r
         first = int(endpoint.rsplit(":", 1)[1])
-        open_ports.append({"protocol": "TCP", "port": first, "endPort": first + plan.size - 1})
-    group = {"podSelector": {"matchLabels": {LWS_NAME_LABEL: name}}}
+        scheduler = {"podSelector": {"matchLabels": _scheduler_labels(options, name)}}
+        ingress.append({"from": [scheduler], "ports": [{"protocol": "TCP", "port": first,
+                                                        "endPort": first + plan.size - 1}]})
     return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": {"name": name},
             "spec": {"podSelector": {"matchLabels": {LWS_NAME_LABEL: name}}, "policyTypes": ["Ingress"],
-                     "ingress": [{"from": [group]}, {"ports": open_ports}]}}
+                     "ingress": ingress}}
+
+
+def _scheduler_labels(options: PodOptions, name: str) -> dict[str, str]:
+    """The label of the pods that may read KV events: ``--kv-events-from``, else the one the
+    inferencepool chart gives the endpoint picker the InferencePool names (NAME-epp)."""
+    if options.kv_events_from is None:
+        return {ENDPOINT_PICKER_LABEL: f"{name}-epp"}
+    key, sep, value = options.kv_events_from.partition("=")
+    if not (sep and key and value):
+        raise RenderError(f"--kv-events-from {options.kv_events_from!r}: give the scheduler's pod label as KEY=VALUE")
+    return {key: value}
 
 
 def _publishes_kv_events(config: Config) -> bool:

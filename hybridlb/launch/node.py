@@ -19,7 +19,8 @@ What happens when a part dies (``data_parallel.restart_policy``):
   engines; ``restart`` starts it again (it rebuilds its state from the engines within a
   second). For MoE, waves cannot start without it: /health is 503 until it is back;
 * an API server: ``restart`` starts it again; ``none`` stops the node (exit 1), since
-  the node can no longer serve;
+  the node can no longer serve (multi-port: the other ranks can, so the node serves on and the
+  supervisor's ``/health`` fails, for the pod to be restarted);
 * a MoE engine breaks its whole expert-parallel group (the other ranks exit): with
   ``restart`` the node exits 1 so that its supervisor (the LeaderWorkerSet) recreates
   the group; with ``none`` it stays up reporting 503;
@@ -27,7 +28,7 @@ What happens when a part dies (``data_parallel.restart_policy``):
   MoE or internal-LB node stops, since it cannot work without the head.
 
 A part that dies more than ``MAX_RESTARTS`` times in ``RESTART_WINDOW_S`` is left dead
-(an API server: the node exits), so a crash loop ends instead of spinning.
+(an API server: the node exits, but in multi-port mode), so a crash loop ends instead of spinning.
 """
 
 from __future__ import annotations
@@ -116,8 +117,8 @@ class Node:
 
     def keeps_alive(self, part: str) -> bool:
         """Multi-port brings a rank's dead part back in place whatever restart_policy says (the
-        supervisor answers 503 meanwhile), where vLLM tears down the node: its API server always,
-        its engine on a dense model (an expert-parallel group fails together, as everywhere)."""
+        other ranks keep the pod ready meanwhile), where vLLM tears down the node: its API server
+        always, its engine on a dense model (an expert-parallel group fails together, as everywhere)."""
         if self.plan.mode != "multi_port":
             return False
         return part.startswith("api") or not self.plan.lockstep
@@ -288,17 +289,17 @@ class Node:
     def wait(self) -> int:
         """Block until asked to stop or the node can no longer serve; return the exit code."""
         on_death = {"engine": self._engine_died, "api": self._api_died, "coordinator": self._coordinator_died}
-        handled: set[int] = set()  # sentinels of processes whose death was dealt with
+        handled: set = set()  # dead processes dealt with; not sentinels, whose numbers a restart reuses
         while not self.stopping:
-            watched = {e.process.sentinel: ("engine", i) for i, e in enumerate(self.engines)}
-            watched.update({p.sentinel: ("api", i) for i, p in enumerate(self.apis)})
+            watched = {e.process.sentinel: ("engine", i, e.process) for i, e in enumerate(self.engines)}
+            watched.update({p.sentinel: ("api", i, p) for i, p in enumerate(self.apis)})
             if self.coordinator is not None:
-                watched[self.coordinator.sentinel] = ("coordinator", 0)
-            for sentinel in wait([s for s in watched if s not in handled], timeout=0.5):
+                watched[self.coordinator.sentinel] = ("coordinator", 0, self.coordinator)
+            for sentinel in wait([s for s, (*_, p) in watched.items() if p not in handled], timeout=0.5):
                 if self.stopping:  # Ctrl-C reaches every process of the group: their exits are expected
                     break
-                handled.add(sentinel)
-                kind, index = watched[sentinel]
+                kind, index, process = watched[sentinel]
+                handled.add(process)
                 if not on_death[kind](index):
                     return 1
         return 1 if self.exit_reason else 0
@@ -320,14 +321,15 @@ class Node:
         engine = self.engines[index]
         part = f"engine {engine.rank}"
         log.error("%s exited with code %s", part, engine.process.exitcode)
-        self._rank_down(engine.rank, f"{part} exited with code {engine.process.exitcode}")
+        restarting = not self.plan.lockstep and self._may_restart(part)
+        self._rank_down(engine.rank, f"{part} exited with code {engine.process.exitcode}", restarting)
         if self.plan.lockstep:
             if self.config.data_parallel.restart_policy == "restart":
                 self.exit_reason = (f"{part} died and broke the expert-parallel group; exiting so that the "
                                     "node's supervisor recreates the group")
                 return False
             return True
-        if self._may_restart(part):
+        if restarting:
             log.warning("restarting %s", part)
             self.engines[index] = start_engine(*self.engine_args[engine.rank])
         return True
@@ -339,21 +341,26 @@ class Node:
             self._start_coordinator()
         return True
 
-    def _rank_down(self, rank: int, why: str) -> None:
-        if self.supervisor is not None and rank in self.supervisor.children:
-            self.supervisor.mark_down(rank, why)
+    def _rank_down(self, rank: int, why: str, restarting: bool) -> bool:
+        """Multi-port: tell the supervisor a rank comes back (it stays live) or is left dead (liveness fails)."""
+        if self.supervisor is None or rank not in self.supervisor.children:
+            return False
+        (self.supervisor.mark_restarting if restarting else self.supervisor.mark_failed)(rank, why)
+        return True
 
     def _api_died(self, index: int) -> bool:
         process = self.apis[index]
         part = process.name.removeprefix("hybridlb:")
-        log.error("%s exited with code %s", part, process.exitcode)
-        self._rank_down(self.api_args[index][1].engines[0][0], f"{part} exited with code {process.exitcode}")
-        if self._may_restart(part):
+        why = f"{part} exited with code {process.exitcode}"
+        log.error("%s", why)
+        restarting = self._may_restart(part)
+        supervised = self._rank_down(self.api_args[index][1].engines[0][0], why, restarting)
+        if restarting:
             log.warning("restarting %s", part)
             self.apis[index] = self._spawn_api(index)
-            return True
-        self.exit_reason = f"{part} exited with code {process.exitcode}; stopping the node"
-        return False
+        elif not supervised:  # multi-port: the other ranks serve on until the pod's liveness probe restarts it
+            self.exit_reason = f"{why}; stopping the node"
+        return restarting or supervised
 
     def request_stop(self) -> None:
         """Signal-safe: make ``wait`` (and a start-up wait) return."""
