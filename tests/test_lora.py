@@ -225,6 +225,8 @@ def test_serve_checks_lora_flags_before_starting(checkpoints, tmp_path):
     assert "LoRA (2 adapters, 2 per engine)" in ran.stdout
     ran = serve("--lora-modules", f"a={good}")
     assert ran.returncode != 0 and "--lora-modules needs --enable-lora; add it" in ran.stderr
+    ran = serve("--lora-allowed-root", str(tmp_path), "--lora-load", "eager")
+    assert ran.returncode != 0 and "--lora-load, --lora-allowed-root needs --enable-lora; add it" in ran.stderr
     ran = serve("--enable-lora", "--lora-modules", f"a={tmp_path / 'missing'}")
     assert ran.returncode != 0 and "--lora-modules a: no adapter directory at" in ran.stderr
     ran = serve("--enable-lora", "--lora-modules", "justaname")
@@ -286,12 +288,14 @@ def _wait_for(condition, timeout_s: float = 20.0):
 
 
 def test_eager_loading_places_adapters_in_every_engine_before_any_request(tiny_qwen3, tmp_path):
-    """--lora-load eager: the adapters of --lora-modules, and one loaded at run time, are in each
-    engine's slots before any request names them; a request then loads nothing more."""
-    a, b, c = (write_adapter(tmp_path / name, tiny_qwen3, ["q_proj", "v_proj"], seed=i)
-               for i, name in enumerate("abc"))
+    """--lora-load eager: the adapters of --lora-modules, and one loaded at run time (from the
+    --lora-allowed-root), are in each engine's slots before any request names them; a request
+    then loads nothing more."""
+    a, b, c = (write_adapter(tmp_path / directory / name, tiny_qwen3, ["q_proj", "v_proj"], seed=i)
+               for i, (directory, name) in enumerate((("start", "a"), ("start", "b"), ("runtime", "c"))))
     server = start_servers(Server(tiny_qwen3, "--data-parallel-size", "2", "--enable-lora", "--lora-modules",
                                   f"a={a}", f"b={b}", "--max-loras", "3", "--lora-load", "eager",
+                                  "--lora-allowed-root", str(tmp_path / "runtime"),
                                   env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"}))[0]
     try:
         assert _wait_for(lambda: _held(server.url) == [["a", "b"], ["a", "b"]]), _held(server.url)

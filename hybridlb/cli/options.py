@@ -135,13 +135,19 @@ def json_flag(name: str, text: str | None) -> dict | None:
     return value
 
 
-def lora_flags(enable: bool, modules: list[str] | None, **limits: int | str | None) -> dict | None:
+# engine.lora keys whose flag is not --KEY.
+_LORA_FLAG_NAMES = {"load": "--lora-load", "allowed_roots": "--lora-allowed-root"}
+
+
+def lora_flags(enable: bool, modules: list[str] | None, **limits: int | str | list[str] | None) -> dict | None:
     """engine.lora from --enable-lora, --lora-modules (name=path or vLLM's JSON form), the
-    --max-lora* limits and --lora-load; None when none is given (the config file decides)."""
+    --max-lora* limits, --lora-load and --lora-allowed-root; None when none is given (the config
+    file decides)."""
     given = {key: value for key, value in limits.items() if value is not None}
     if not enable:
         if modules or given:
-            flags = ["--lora-modules"] * bool(modules) + [f"--{key.replace('_', '-')}" for key in given]
+            flags = ["--lora-modules"] * bool(modules) + [
+                _LORA_FLAG_NAMES.get(key, f"--{key.replace('_', '-')}") for key in given]
             fail(f"{', '.join(flags)} needs --enable-lora; add it")
         return None
     entries = []

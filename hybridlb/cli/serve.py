@@ -24,6 +24,7 @@ from hybridlb.cli.options import (
     vllm_option,
     with_options,
 )
+from hybridlb.config import LoRAConfig
 
 SERVE_HELP = (
     "Serve the OpenAI API from this node: its engines and API servers, no Ray.\n\n"
@@ -101,6 +102,8 @@ def serve(
     lora_load: Annotated[str | None, typer.Option(
         help="lazy (default): engines read an adapter when a request first needs it; eager: when it is "
              "registered (start-up or /v1/load_lora_adapter).")] = None,
+    lora_allowed_root: Annotated[list[str] | None, typer.Option(
+        help=LoRAConfig.model_fields["allowed_roots"].description + " Repeat it for several.")] = None,
     seed: Annotated[int | None, vllm_option()] = None,
     enforce_eager: Annotated[bool, vllm_option(
         "--enforce-eager", help="Run every step layer by layer from Python, not decode steps as the recorded "
@@ -146,7 +149,8 @@ def serve(
                        structured_outputs=json_flag("--structured-outputs-config", structured_outputs_config),
                        speculative=json_flag("--speculative-config", speculative_config),
                        lora=lora_flags(enable_lora, lora_modules, max_loras=max_loras, max_lora_rank=max_lora_rank,
-                                       max_cpu_loras=max_cpu_loras, load=lora_load),
+                                       max_cpu_loras=max_cpu_loras, load=lora_load,
+                                       allowed_roots=lora_allowed_root),
                        expert_parallel=enable_expert_parallel, async_dp_coordination=async_dp_coordination,
                        dp_timeout_s=dp_timeout, simulate=_simulate_flags(simulate_step_ms, simulate_per_token_ms)),
         "api": dict(host=host, port=port, served_model_name=served_names(served_model_name), api_key=api_key,

@@ -106,7 +106,8 @@ def test_each_adapter_and_a_mixed_batch_equal_peft(smollm2_hf_dir, adapters, exp
 
 def test_runtime_load_unload_and_eviction_under_max_loras_2(smollm2_hf_dir, adapters, expected, tmp_path):
     server = start_servers(Server(smollm2_hf_dir, "--served-model-name", "smollm2", "--enable-lora",
-                                  "--max-loras", "2", env=RUNTIME))[0]
+                                  "--max-loras", "2", "--lora-allowed-root", str(adapters["alpha"].parent),
+                                  "--lora-allowed-root", str(tmp_path), env=RUNTIME))[0]
     url = server.url
     try:
         for name, path in adapters.items():
