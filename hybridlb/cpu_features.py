@@ -28,3 +28,10 @@ def has_native_bfloat16() -> bool:
 def has_amx() -> bool:
     """AMX tiles for bfloat16 (Intel Sapphire Rapids and later): prompts prefill on them."""
     return "amx_bf16" in cpu_flags()
+
+
+def has_onednn_bfloat16_packing() -> bool:
+    """oneDNN packs bfloat16 linear weights (torch's ``mkldnn._reorder_linear_weight``) only with
+    AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT; elsewhere (an AVX2-only AMD EPYC) it raises."""
+    flags = cpu_flags()
+    return {"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags

@@ -28,12 +28,15 @@ def up(
     from hybridlb.launch.ray_driver import up as ray_up
     from hybridlb.launch.ray_session import UpError
 
-    cfg, plan = _whole_cluster(config, {"ray": dict(address=address, name=name)})
-    check_model_options(cfg)
     try:
+        cfg, plan = _whole_cluster(config, {"ray": dict(address=address, name=name)})
+        check_model_options(cfg)
         code = ray_up(cfg, plan, detach)
     except UpError as exc:
         fail(str(exc))
+    except KeyboardInterrupt:  # before the launcher took the signals (reading the config and the model)
+        typer.echo("SIGINT: stopping (nothing was started yet)", err=True)
+        raise typer.Exit(130) from None
     raise typer.Exit(code)
 
 

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from hybridlb.checkpoint.spec import ModelSpec
+from hybridlb.cpu_features import has_onednn_bfloat16_packing
 from hybridlb.model import memory
 from hybridlb.model.attention import AttentionBatch, PagedAttention
 from hybridlb.model.kernels import CPUKernels
@@ -142,6 +143,9 @@ class CausalLM(nn.Module):
         # bf16.c's packed weights share one huge-page buffer (model/memory.py), filled as each
         # is packed and its checkpoint weight dropped, so memory peaks at one copy plus a layer.
         fast = [PackedLinear.runs_on_bf16_kernel(child.weight, kernels) for _, _, child in linears]
+        if not has_onednn_bfloat16_packing():  # what bf16.c does not run stays a plain linear
+            linears = [linear for linear, on_kernel in zip(linears, fast, strict=True) if on_kernel]
+            fast = [True] * len(linears)
         sizes = [(child.weight.numel(),) for (_, _, child), on_kernel in zip(linears, fast, strict=True) if on_kernel]
         slots = iter(memory.empty(sizes, torch.bfloat16))
         linears.reverse()

