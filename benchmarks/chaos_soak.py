@@ -10,8 +10,15 @@ gives each of ``--prompts`` chat prompts its greedy text (``--max-tokens``, igno
 * ``freeze``: SIGSTOP for ``--freeze-s``, then SIGCONT; the API server's stall watch (or the
   ZMTP heartbeat) finds it, its streams migrate, and it registers again once thawed.
 
+Every ``--poison-every-s`` (±30 %) a poison request of a random kind joins the load (``POISONS``:
+each of them once took every engine of a node down): out-of-vocabulary stop ids with min_tokens,
+out-of-vocabulary allowed_token_ids, a 3 MB bad word, a LoRA adapter truncated on disk after it
+was registered, a grammar that cannot compile. Each must get a 4xx, and no engine may restart
+but the killed ones (the soak watches every engine's pid).
+
 PASS when no request failed or hung (each has ``--request-timeout-s``), every text equals its
-clean text, and the API server's RSS over the second half of the run grows less than
+clean text, every poison got a 4xx, engines restarted exactly as often as they were killed, and
+the API server's RSS over the second half of the run grows less than
 ``--max-slope`` MiB/min. Reported: requests, faults, ``hybridlb:migrated_requests_total``, the
 latency of requests that were in flight at a fault against the others (P50, P99), and the
 streams the fault reached: those in flight at it whose longest wait between two chunks is over
@@ -19,8 +26,8 @@ twice the calm streams' P99, by kind of fault. That pause is what a migration co
 resend, the re-prefill of prompt and tokens so far).
 
 Engines made to fail every step are not part of the mix: that needs a fault hook in a live
-engine, which hybridlb does not ship (``tests/test_silent_paths.py`` covers it on a simulated
-engine).
+engine, which hybridlb does not ship (``tests/test_silent_paths.py`` and ``tests/test_blame.py``
+cover it on a simulated engine).
 
     python benchmarks/chaos_soak.py [--duration-s 600] [--model PATH] [--out FILE]
 """
@@ -36,6 +43,7 @@ import re
 import signal
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,7 +51,16 @@ from pathlib import Path
 import httpx
 from common import SMOLLM2, Server, free_port, stamp
 
+from hybridlb.model.make_model import make_adapter
+
 PROMPTS = [f"Tell me fact number {i} about the sea, in one long sentence." for i in range(64)]
+POISONS = {  # kind -> what the request adds to a one-token chat request
+    "oov_stop_ids": {"min_tokens": 1, "stop_token_ids": [1_000_000_000]},
+    "oov_allowed_ids": {"allowed_token_ids": [0, 10**9]},
+    "bad_word_3mb": {"bad_words": ["ab" * (3 * 2**19)]},
+    "truncated_adapter": {"model": "truncated"},
+    "bad_grammar": {"structured_outputs": {"regex": "(unclosed"}},
+}
 
 
 @dataclass
@@ -65,6 +82,8 @@ class Soak:
     clean: dict[int, str] = field(default_factory=dict)
     records: list[Record] = field(default_factory=list)
     faults: list[tuple[float, str, int]] = field(default_factory=list)  # (time, kind, rank)
+    poisons: list[tuple[str, int, str]] = field(default_factory=list)  # (kind, HTTP status, error message)
+    pids: dict[int, set[int]] = field(default_factory=dict)  # rank -> every pid its engine had
     rss: list[tuple[float, float]] = field(default_factory=list)  # (time, MiB) of the API server
 
     async def one(self, client: httpx.AsyncClient, prompt: int) -> Record:
@@ -149,10 +168,28 @@ async def faults(soak: Soak, until: float, every_s: float, freeze_s: float, rng:
             os.kill(pids[rank], signal.SIGCONT)
 
 
+async def poisons(soak: Soak, client: httpx.AsyncClient, until: float, every_s: float,
+                  rng: random.Random) -> None:
+    while every_s > 0 and (wait := every_s * rng.uniform(0.7, 1.3)) < until - time.monotonic():
+        await asyncio.sleep(wait)
+        kind = rng.choice(sorted(POISONS))
+        body = {"model": soak.server.model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8,
+                **POISONS[kind]}
+        try:
+            response = await client.post(f"{soak.server.url}/v1/chat/completions", json=body, timeout=60)
+            message = response.json().get("error", {}).get("message", "") if response.status_code >= 400 else ""
+            soak.poisons.append((kind, response.status_code, message[:200]))
+        except (httpx.HTTPError, ValueError) as exc:
+            soak.poisons.append((kind, 0, f"{type(exc).__name__}: {exc}"[:200]))
+        print(f"  {time.monotonic() - soak.started:6.1f} s: poison {kind} -> {soak.poisons[-1][1]}", flush=True)
+
+
 async def sample_rss(soak: Soak, until: float) -> None:
     while time.monotonic() < until:
         soak.rss.append((time.monotonic(), api_rss_mib(soak.server)))
-        await asyncio.sleep(5)
+        for rank, pid in engine_pids(soak.server).items():
+            soak.pids.setdefault(rank, set()).add(pid)
+        await asyncio.sleep(1)
 
 
 async def run(soak: Soak, args) -> None:
@@ -173,7 +210,8 @@ async def run(soak: Soak, args) -> None:
                 turn += args.concurrency
 
         await asyncio.gather(*(client_loop(w) for w in range(args.concurrency)),
-                             faults(soak, until, args.fault_every_s, args.freeze_s, rng), sample_rss(soak, until))
+                             faults(soak, until, args.fault_every_s, args.freeze_s, rng), sample_rss(soak, until),
+                             poisons(soak, client, until, args.poison_every_s, random.Random(args.seed + 1)))
 
 
 def migrated(url: str) -> float:
@@ -197,16 +235,22 @@ def main() -> None:
     parser.add_argument("--freeze-s", type=float, default=15, help="past api.engine_stall_s (10 s)")
     parser.add_argument("--request-timeout-s", type=float, default=120)
     parser.add_argument("--max-slope", type=float, default=1.0, help="MiB/min of API-server RSS, second half")
+    parser.add_argument("--poison-every-s", type=float, default=10, help="a poison request this often (0: none)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/chaos_soak.json"))
     args = parser.parse_args()
 
+    adapter = make_adapter(args.model, Path(tempfile.mkdtemp(prefix="chaos-adapter-")) / "truncated",
+                           ["q_proj", "v_proj"], rank=4)
     server = Server.hybridlb("chaos_soak", args.model, "--data-parallel-size", "4", "--data-parallel-rpc-port",
                              str(free_port()), "--restart-policy", "restart", "--dtype", "float32",
-                             "--served-model-name", "chaos", "--kv-cache-gib", "0.5")
+                             "--served-model-name", "chaos", "--kv-cache-gib", "0.5", "--enable-lora",
+                             "--lora-modules", f"truncated={adapter}")
     server.model = "chaos"
     try:
         print(f"serve ready in {server.wait_ready():.0f} s; soaking for {args.duration_s:.0f} s", flush=True)
+        weights = adapter / "adapter_model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:-16])  # registered whole; its tensors no longer read
         soak = Soak(server, args.max_tokens, args.request_timeout_s)
         asyncio.run(run(soak, args))
         moved = migrated(server.url)
@@ -230,11 +274,16 @@ def main() -> None:
                          "pause_p50_s": pct(gaps, 0.5), "pause_max_s": max(gaps, default=float("nan"))}
     late = [s for s in soak.rss if s[0] >= soak.started + args.duration_s / 2]
     slope = slope_mib_per_min(late)
-    verdict = "PASS" if not failed and slope < args.max_slope else "FAIL"
+    kills = {rank: sum(k == "kill" and r == rank for _, k, r in soak.faults) for rank in soak.pids}
+    restarts = {rank: len(pids) - 1 for rank, pids in soak.pids.items()}
+    poisoned = [p for p in soak.poisons if not 400 <= p[1] < 500]
+    verdict = "PASS" if (not failed and slope < args.max_slope and not poisoned and restarts == kills) else "FAIL"
     result = {
         "requests": len(soak.records), "failed": len(failed), "errors": sorted({r.error for r in failed})[:10],
         "faults": [{"at_s": round(t - soak.started, 1), "kind": k, "rank": r} for t, k, r in soak.faults],
         "migrated": moved, "in_flight_at_a_fault": len(hit),
+        "poisons": {kind: [status for k, status, _ in soak.poisons if k == kind] for kind in POISONS},
+        "poisons_not_4xx": [list(p) for p in poisoned], "engine_restarts": restarts, "engine_kills": kills,
         "latency_s": {"calm_p50": pct(calm, 0.5), "calm_p99": pct(calm, 0.99),
                       "faulted_p50": pct(hit_s, 0.5), "faulted_p99": pct(hit_s, 0.99)},
         "added_latency_p50_s": pct(hit_s, 0.5) - pct(calm, 0.5),
@@ -250,6 +299,8 @@ def main() -> None:
           f"| {len(soak.records)} | {len(failed)} | {len(soak.faults)} | {moved:.0f} | {len(hit)} "
           f"| {pct(calm, 0.5):.2f} / {pct(hit_s, 0.5):.2f} | {pct(calm, 0.99):.2f} / {pct(hit_s, 0.99):.2f} "
           f"| {slope:.2f} | {verdict} |")
+    print(f"poisons: {len(soak.poisons)} ({', '.join(f'{k} {len(v)}' for k, v in result['poisons'].items())}), "
+          f"not a 4xx: {len(poisoned)}; engine restarts {restarts} against kills {kills}")
     print(f"streams paused at a fault: {len(paused)}, pause P50 {pct(paused, 0.5):.2f} s, max "
           f"{max(paused, default=float('nan')):.2f} s (calm streams' longest gap, P99: {calm_gap:.2f} s)")
     for kind, row in by_kind.items():

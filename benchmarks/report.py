@@ -83,10 +83,14 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {  # name: title, command, what it
                    "SmolLM2 bfloat16, concurrency 16: TPOT of JSON-schema-constrained requests against free ones "
                    "of the same length; llguidance and xgrammar compile and mask-fill times; free requests' "
                    "TPOT while 20 new schemas compile."),
-    "chaos_soak": ("Chaos soak: engines killed and frozen under load", "python benchmarks/chaos_soak.py",
+    "chaos_soak": ("Chaos soak: engines killed and frozen, poison requests, under load",
+                   "python benchmarks/chaos_soak.py",
                    "SmolLM2 float32, DP=4 dense on one node, 8 closed-loop greedy streams; every ~30 s one engine is "
-                   "killed (and restarted) or frozen for 15 s. Failed requests, texts against the fault-free run, "
-                   "migrations, the pause a migrated stream sees, the API server's RSS."),
+                   "killed (and restarted) or frozen for 15 s, and every ~10 s a poison request of a random kind "
+                   "arrives (out-of-vocabulary stop or allowed ids, a 3 MB bad word, a LoRA adapter truncated on "
+                   "disk, a grammar that cannot compile). Failed requests, texts against the fault-free run, each "
+                   "poison's status, engine restarts against kills, migrations, the pause a migrated stream sees, "
+                   "the API server's RSS."),
     "machine_peak": ("What the machine can do: GEMM and memory bandwidth", "python benchmarks/machine_peak.py",
                      "torch's CPU GEMM at SmolLM2's decode shapes (batch 1, 16, 32, 64) and one large square, bfloat16 "
                      "and float32, through torch's linear and (bfloat16) oneDNN packed weights, the engine's bf16.c "

@@ -13,6 +13,9 @@ MAX_LOGIT_BIAS = 1024  # token ids one request may bias
 MAX_CONSTRAINT_CHARS = 256 * 2**10  # a grammar, schema or regex (the engine compiles it)
 MAX_ALLOWED_TOKEN_IDS = 2**16
 MAX_BAD_WORDS = 256  # token sequences one request may ban
+# Tokens of one banned sequence: a word or phrase is a few; with MAX_BAD_WORDS this bounds a
+# request's bad words to 64 Ki token ids (~330 KB on the wire, well inside the engine's limit).
+MAX_BAD_WORD_TOKENS = 256
 CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "structural_tag")
 
 
@@ -144,12 +147,18 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
                 found.append(("allowed_token_ids", "allowed_token_ids must be non-negative"))
         if len(self.bad_words) > MAX_BAD_WORDS or any(not w or min(w) < 0 for w in self.bad_words):
             found.append(("bad_words", f"bad_words takes at most {MAX_BAD_WORDS} non-empty words"))
+        elif any(len(w) > MAX_BAD_WORD_TOKENS for w in self.bad_words):
+            found.append(("bad_words", f"a bad word may be at most {MAX_BAD_WORD_TOKENS} tokens long"))
         return found
 
-    def out_of_vocab(self, vocab_size: int) -> str | None:
-        """The first field naming a token id outside ``[0, vocab_size)``, if any."""
-        for name, ids in (("logit_bias", self.logit_bias), ("allowed_token_ids", self.allowed_token_ids or ()),
-                          ("bad_words", [t for word in self.bad_words for t in word])):
-            if any(token >= vocab_size for token in ids):
-                return f"{name} token ids must be in [0, {vocab_size})"
+    def out_of_vocab(self, vocab_size: int) -> tuple[str, str] | None:
+        """The first field naming a token id outside ``[0, vocab_size)``, as (field, message), if any:
+        every such id indexes the logits, where one out of range fails the whole step."""
+        constraint = self.constraint or Constraint("json", "")
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias),
+                          ("allowed_token_ids", self.allowed_token_ids or ()),
+                          ("bad_words", [t for word in self.bad_words for t in word]),
+                          ("structured_outputs", [*constraint.after, *constraint.opener])):
+            if any(not 0 <= token < vocab_size for token in ids):
+                return name, f"{name} token ids must be in [0, {vocab_size})"
         return None

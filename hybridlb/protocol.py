@@ -84,7 +84,7 @@ Every socket that binds and receives from other processes also sets ``ZMQ_MAXMSG
 so a frame over its limit drops the sender's connection before it is buffered (ZMQ
 reads no further, so nothing is decoded or logged):
 
-    engine input          ``engine_input_limit(max_model_len)``: 1 MiB plus 9 bytes (the
+    engine input          ``engine_input_limit(max_model_len)``: 2 MiB plus 9 bytes (the
                           largest msgpack integer) per token of the longest prompt
     coordinator           ``COORDINATOR_LIMIT`` (64 KiB; an ``EngineStats`` is ~200 bytes;
                           its PUB sockets take in only subscriptions)
@@ -196,6 +196,7 @@ class EngineStats(msgspec.Struct, tag="stats"):
     cached_blocks: int = 0  # KV blocks holding reusable content, in use or not (rides along)
     orphans_aborted: int = 0  # requests aborted because their front end was gone (rides along)
     step_failures: int = 0  # steps that raised; their requests failed (rides along)
+    longest_step_s: float = 0.0  # the longest a step may take here, by recent steps (engine.step_clock; rides along)
     borrowed_steps: int = 0  # steps run on cores borrowed from the node's idle engines (rides along)
     # Speculative decoding since start (rides along): drafts, their tokens, tokens accepted,
     # and acceptances at each draft position.

@@ -19,7 +19,7 @@ from fastapi import FastAPI
 
 from hybridlb import __version__, lifecycle
 from hybridlb.api import routes
-from hybridlb.api.admission import Slots
+from hybridlb.api.admission import BodyBudget, Slots
 from hybridlb.api.context import ApiContext, ApiServerSpec
 from hybridlb.api.engine_client import EngineConnection
 from hybridlb.api.errors import install_error_handlers
@@ -139,6 +139,6 @@ def create_app(config: Config, spec: ApiServerSpec, on_ready: Callable[[], None]
     install_error_handlers(app)
     api_key = config.api.api_key or os.environ.get("HYBRIDLB_API_KEY") or os.environ.get("VLLM_API_KEY")
     app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=config.api.max_body_bytes, slots=ctx.slots,
-                       body_timeout_s=config.api.body_timeout_s)
+                       body_timeout_s=config.api.body_timeout_s, budget=BodyBudget(config.api.max_body_bytes_in_flight))
     routes.install(app, runtime_lora=config.engine.lora is not None and runtime_updates_allowed())
     return app

@@ -40,6 +40,7 @@ from hybridlb.protocol import (
     LoadAdapters,
     RequestOutput,
     encoder,
+    engine_input_limit,
     error_text,
     from_engine_decoder,
     is_newer,
@@ -54,7 +55,16 @@ _HEARTBEAT_TIMEOUT_MS = 5000
 _LOCAL_HEARTBEAT_MS = 500
 _LOCAL_HEARTBEAT_TIMEOUT_MS = 2000
 ADAPTER_SENT_S = 2.0  # a rank sent a LoRA request this recently counts as holding the adapter
+STALL_STEPS = 3.0  # an engine silent for this many of its longest steps is stuck (stall_limit_s)
 STALL_GRACE_S = 0.5  # a watchdog tick this late means the API server itself was not running
+
+
+MESSAGE_MARGIN_BYTES = 64 * 2**10  # kept below the engine's frame limit (engine_input_limit)
+
+
+class MessageTooLarge(ValueError):
+    """A request whose AddRequest would exceed the engine's frame limit: libzmq would drop the
+    whole connection (every request of this server on that engine) rather than the one message."""
 
 
 class EngineUnavailable(RuntimeError):
@@ -134,11 +144,16 @@ class EngineConnection:
         resumed = resumed or []
         if not self.alive:
             raise EngineUnavailable(f"engine {self.rank} is not available")
+        frame = encoder.encode(AddRequest(request_id, prompt_token_ids, params, wave, resumed))
+        if len(frame) > (limit := engine_input_limit(self.info.max_model_len) - MESSAGE_MARGIN_BYTES):
+            raise MessageTooLarge(f"this request takes {len(frame)} bytes on its way to an engine, more than the "
+                                  f"{limit} an engine takes; shorten its prompt, stop strings, bad_words, "
+                                  "allowed_token_ids or grammar")
         queue: asyncio.Queue = asyncio.Queue()
         self.streams[request_id] = queue
         self.prefilling[request_id] = max(0, len(prompt_token_ids) + len(resumed) - cached_tokens)
         self.budgets[request_id] = self.output_budget(len(prompt_token_ids), params, len(resumed))
-        self._send(AddRequest(request_id, prompt_token_ids, params, wave, resumed))
+        self.socket.send(frame, copy=False)
         if params.lora is not None:
             self.adapters_sent[params.lora.name] = time.monotonic()
         return queue
@@ -323,7 +338,7 @@ class EngineConnection:
         """An engine whose loop is stuck (its I/O thread may still answer ZMTP pings) sends no
         output and no heartbeat: with requests in flight for ``stall_s``, fail them (they move
         to another engine) and ask it to register again; it counts as down until it answers."""
-        period = min(1.0, self.stall_s / 4)
+        period = min(1.0, self.stall_s / 4)  # the limit only grows from stall_s
         while True:
             started = time.monotonic()
             await asyncio.sleep(period)
@@ -331,12 +346,19 @@ class EngineConnection:
             if now - started > period + STALL_GRACE_S or self.socket.get(zmq.EVENTS) & zmq.POLLIN:
                 continue  # this process was stalled, or the engine's news is waiting unread: not its fault
             silent = now - self.last_heard
-            if self.alive and self.streams and silent > self.stall_s:
+            if self.alive and self.streams and silent > self.stall_limit_s:
                 try:
-                    self._resync(f"sent nothing for {silent:.0f} s with requests in flight (api.engine_stall_s): "
-                                 "its loop is stuck", "stuck")
+                    self._resync(f"sent nothing for {silent:.0f} s with requests in flight (api.engine_stall_s, "
+                                 f"{STALL_STEPS:g}x its longest step): its loop is stuck", "stuck")
                 except Exception:
                     log.exception("engine %d: could not fail its stuck requests", self.rank)
+
+    @property
+    def stall_limit_s(self) -> float:
+        """How long the engine may stay silent with requests in flight: api.engine_stall_s, or
+        STALL_STEPS times the longest step it says it may take (a step is silent throughout)."""
+        longest = self.stats.longest_step_s if self.stats is not None else 0.0
+        return max(self.stall_s, STALL_STEPS * longest)
 
     def _mark_down(self, reason: str, log_level: int = logging.ERROR) -> None:
         self.fail_all(reason, "engine_down", log_level)

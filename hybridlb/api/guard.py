@@ -8,7 +8,7 @@ import hmac
 
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from hybridlb.api.admission import Slots
+from hybridlb.api.admission import BodyBudget, Slots
 from hybridlb.api.errors import APIError, error_response
 
 # Probes, scrapers and upstream balancers: no API key, and never refused for load.
@@ -20,9 +20,11 @@ class RequestGuard:
     guarded by default), the request body size limit, and the first slot of the concurrency
     limit (``Slots``: a request takes the rest once its body says how many sequences it has)."""
 
-    def __init__(self, app, api_key: str | None, max_body_bytes: int, slots: Slots, body_timeout_s: float = 30.0):
+    def __init__(self, app, api_key: str | None, max_body_bytes: int, slots: Slots, body_timeout_s: float = 30.0,
+                 budget: BodyBudget | None = None):
         self.app, self.api_key, self.max_body_bytes, self.slots = app, api_key, max_body_bytes, slots
         self.body_timeout_s = body_timeout_s
+        self.budget = budget or BodyBudget(0)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -41,6 +43,11 @@ class RequestGuard:
             self.slots.admit(scope)
         except APIError as busy:
             return await error_response(busy)(scope, receive, send)
+        try:
+            self.budget.take(scope, int(declared) if declared is not None and declared.isdigit() else 0)
+        except APIError as busy:
+            self.slots.release(scope)
+            return await error_response(busy)(scope, receive, send)
         received, whole = 0, False
         deadline = asyncio.get_running_loop().time() + self.body_timeout_s
 
@@ -58,12 +65,15 @@ class RequestGuard:
             received += len(message.get("body", b""))
             if received > self.max_body_bytes:  # no Content-Length (chunked): stop reading here
                 raise StarletteHTTPException(413, self._too_large_message())
+            if received > (held := self.budget.held(scope)):  # chunked (no Content-Length): held as it arrives
+                self.budget.take(scope, received - held)  # past the budget: APIError 429, with Retry-After
             return message
 
         try:
             return await self.app(scope, counted, send)
         finally:
             self.slots.release(scope)
+            self.budget.release(scope)
 
     def _unauthorized(self, authorization: bytes) -> bool:
         if not self.api_key:

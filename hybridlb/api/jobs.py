@@ -25,8 +25,9 @@ from hybridlb.api.context import ApiContext
 from hybridlb.api.errors import APIError
 from hybridlb.api.reasoning import reasoning_ended, reasoning_opened
 from hybridlb.api.schemas import MAX_PROMPTS, CompletionRequest, SamplingRequest
-from hybridlb.params import MAX_BAD_WORDS, Constraint, SamplingParams
+from hybridlb.params import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, Constraint, SamplingParams
 
+MAX_BAD_WORD_CHARS = 1024  # like a stop string's limit; checked before tokenizing
 INLINE_BODY_BYTES = 16 * 2**10  # smaller bodies are tokenized on the event loop (a thread hop costs more)
 _preparer = ThreadPoolExecutor(1, thread_name_prefix="prepare")  # one at a time: the GIL serializes them anyway
 
@@ -91,21 +92,26 @@ def _params(ctx: ApiContext, body: SamplingRequest, ids: list[int], requested: i
         extra["constraint"] = constraint
     if body.bad_words:
         extra["bad_words"] = _bad_words(ctx, body.bad_words)
+    params = msgspec.structs.replace(params, **extra) if extra else params
     if (problem := params.out_of_vocab(ctx.pool.vocab_size)) is not None:
-        raise APIError(400, problem, param=problem.split()[0])
-    return msgspec.structs.replace(params, **extra) if extra else params
+        raise APIError(400, problem[1], param=problem[0])
+    return params
 
 
 def _bad_words(ctx: ApiContext, words: list[str]) -> list[list[int]]:
     """Each bad word's token sequences: as written and after a space (mid-sentence), as vLLM bans them."""
+    if len(words) > MAX_BAD_WORDS // 2 or any(len(word) > MAX_BAD_WORD_CHARS for word in words):
+        raise APIError(400, f"at most {MAX_BAD_WORDS // 2} bad_words of up to {MAX_BAD_WORD_CHARS} characters each",
+                       param="bad_words")
     sequences: list[list[int]] = []
     for word in words:
         for text in (word, " " + word.lstrip()):
             ids = ctx.tokenizer.encode(text, add_special_tokens=False)
+            if len(ids) > MAX_BAD_WORD_TOKENS:
+                raise APIError(400, f"bad word {word[:40]!r}... is {len(ids)} tokens; a bad word may be at most "
+                                    f"{MAX_BAD_WORD_TOKENS}", param="bad_words")
             if ids and ids not in sequences:
                 sequences.append(ids)
-    if len(sequences) > MAX_BAD_WORDS:
-        raise APIError(400, f"at most {MAX_BAD_WORDS // 2} bad_words", param="bad_words")
     return sequences
 
 

@@ -190,6 +190,9 @@ class Metrics:
         self.migrated = Counter("hybridlb:migrated_requests", "Requests that moved to another engine of the node "
                                 "mid-stream because this one died or was lost (api.migration_limit).", labels,
                                 registry=r)
+        self.quarantined = Counter("hybridlb:quarantined_requests", "Requests failed and never sent again because "
+                                   "the engines they were in flight on failed twice (a request that kills "
+                                   "engines).", ["model_name"], registry=r)
         self.pinned = Counter("hybridlb:pinned_requests", "Requests pinned to this engine by X-data-parallel-rank "
                               "(a gateway choosing the rank).", labels, registry=r)
         self.wave = g("hybridlb:dp_current_wave", "MoE lockstep: the current wave.", ["model_name"])
@@ -243,6 +246,9 @@ class Metrics:
 
     def migrated_request(self, rank: int) -> None:
         self.of(self.migrated, rank).inc()
+
+    def quarantined_request(self) -> None:
+        self.quarantined.labels(model_name=self.model_name).inc()
 
     def lost_requests(self, rank: int, reason: str, count: int = 1) -> None:
         self.of(self.lost, rank, reason).inc(count)

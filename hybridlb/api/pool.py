@@ -17,7 +17,7 @@ import time
 
 from hybridlb.api.admission import RETRY_AFTER_S
 from hybridlb.api.balance import MAX_LOAD_GAP, choose_cache_aware, choose_engine
-from hybridlb.api.engine_client import EngineConnection, EngineUnavailable
+from hybridlb.api.engine_client import EngineConnection, EngineUnavailable, MessageTooLarge
 from hybridlb.api.errors import APIError
 from hybridlb.params import LoRARequest, SamplingParams
 from hybridlb.prefix_hash import adapter_seed, block_hashes
@@ -149,6 +149,8 @@ class EnginePool:
             except EngineUnavailable as exc:
                 if rank is not None:
                     raise APIError(503, str(exc)) from None
+            except MessageTooLarge as exc:
+                raise APIError(400, str(exc)) from None
 
     def _block_hashes(self, prompt_ids: list[int], lora: LoRARequest | None) -> list[int]:
         """The prompt's full-block hashes as the engines compute them (their cache is keyed

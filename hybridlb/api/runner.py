@@ -35,6 +35,10 @@ log = logging.getLogger(__name__)
 _ERROR_STATUS = {"invalid": 400, "busy": 429, "internal": 500}
 STALL_S = 0.5  # a timer this late means the event loop (or the whole process) was stalled
 MAX_ATTEMPTS = 3  # sends of one request (to any engine of the node) before its failure reaches the client
+# A request in flight on this many engines that died or stalled under it is quarantined: failed,
+# never sent again, so a request that kills engines kills at most this many, not the node.
+QUARANTINE_AFTER = 2
+ENGINE_FAILURES = ("engine_down", "stuck")  # EngineUnavailable reasons that are the engine's death or stall
 
 
 @dataclass
@@ -82,12 +86,16 @@ class RequestRunner:
         detok = IncrementalDetokenizer.for_request(self.tokenizer, prompt_ids, params)
         finished, yielded = False, False
         produced: list[int] = []  # every token this request got, from whichever engine: a migration's start
-        migrations = 0
+        migrations, losses = 0, 0
         try:
             while not finished:
                 output = await self._next(queue, engine, wire_id)
                 if isinstance(output, EngineUnavailable) and output.reason == "shutdown":
                     raise _failure(output)  # this server is stopping: nowhere to send it again
+                if isinstance(output, EngineUnavailable) and output.reason in ENGINE_FAILURES:
+                    losses += 1
+                    if losses >= QUARANTINE_AFTER:
+                        raise self._quarantine(request_id, output, losses)
                 if yielded and self._migrates(output, migrations):
                     migrations, attempt = migrations + 1, attempt + 1
                     engine.release(wire_id, abort=False)  # lost: nothing to abort there
@@ -115,6 +123,13 @@ class RequestRunner:
         finally:
             # Not finished by the engine (stop string, client gone, error): stop it there too.
             engine.release(wire_id, abort=not finished or detok.stopped)
+
+    def _quarantine(self, request_id: str, why: EngineUnavailable, losses: int) -> APIError:
+        log.error("request %s was in flight on %d engines that failed (the last: %s); quarantined, not sent again",
+                  request_id, losses, why)
+        self.metrics.quarantined_request()
+        return APIError(500, f"{why}; this request was in flight on {losses} engines that failed, so it is not sent "
+                             "to another (quarantined)", code="quarantined")
 
     def _resend(self, engine: EngineConnection, why, request_id: str, wire_id: str, prompt_ids: list[int],
                 params: SamplingParams, tried: set[int]) -> tuple[EngineConnection, asyncio.Queue]:

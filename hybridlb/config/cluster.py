@@ -24,6 +24,11 @@ class ApiConfig(_Section):
         "(also read from HYBRIDLB_API_KEY, then VLLM_API_KEY)."
     )
     max_body_bytes: int = Field(8 * 2**20, ge=1024, description="Larger request bodies get 413.")
+    max_body_bytes_in_flight: int = Field(
+        512 * 2**20, ge=0, description="Request bodies one API server process holds at once, in bytes (a body is "
+        "held until its response ends); past it a request gets 429 with Retry-After. 0: no limit (then the bound "
+        "is max_body_bytes x max_concurrent_requests)."
+    )
     body_timeout_s: float = Field(
         30.0, gt=0, description="A request body not received whole this long after the request began gets 408 "
         "(a slow or stalled upload gives back its concurrency slot)."
@@ -39,8 +44,9 @@ class ApiConfig(_Section):
     )
     engine_stall_s: float = Field(
         10.0, ge=0, description="An engine with requests in flight that sends nothing (no output, no 1 s "
-        "heartbeat) this long is stuck: its requests move to another engine and it is asked to register again, "
-        "counting as down until it answers. Keep it above the longest step. 0: never."
+        "heartbeat) this long, or for 3 times the longest step it says it may take (its recent steps, a full "
+        "token budget at their slowest rate) if that is longer, is stuck: its requests move to another engine "
+        "and it is asked to register again, counting as down until it answers. 0: never."
     )
     migration_limit: int = Field(
         3, ge=0, description="Dense models: times one request may move to another engine of the node when its "
@@ -71,6 +77,10 @@ class ApiConfig(_Section):
 
     @model_validator(mode="after")
     def _check_tools(self) -> ApiConfig:
+        if 0 < self.max_body_bytes_in_flight < self.max_body_bytes:
+            raise ValueError(f"api.max_body_bytes_in_flight ({self.max_body_bytes_in_flight}) is below "
+                             f"api.max_body_bytes ({self.max_body_bytes}): the largest body could never be taken; "
+                             "raise it")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("api.enable_auto_tool_choice needs api.tool_call_parser (hermes, llama3_json, mistral "
                              "or pythonic)")

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import os
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -114,6 +114,14 @@ class StructuredOutputsConfig(_Section):
         "for). false: JSON Schema's open objects, where a small model may add keys until max_tokens."
     )
     cache_size: int = Field(256, ge=1, description="Compiled grammars kept per engine (least recently used go).")
+    cache_bytes: int = Field(
+        256 * 2**20, ge=0, description="Most bytes the kept grammars may hold, by the backend's own measure "
+        "(xgrammar's memory_size_bytes; llguidance reports none, its own limits bound each grammar). 0: no limit."
+    )
+    compile_timeout_s: float = Field(
+        30.0, gt=0, description="A request whose grammar has not compiled this long after it arrived fails (400); "
+        "requests waiting for grammars count towards max_queued_requests."
+    )
 
     @field_validator("backend")
     @classmethod
@@ -196,6 +204,11 @@ class LoRAConfig(_Section):
         "lazy", description="When engines read an adapter: lazy, when a request first needs it; eager, as soon as it "
                             "is registered (at start-up, or by /v1/load_lora_adapter), each engine reading it into "
                             "memory and into a free slot (none is evicted for it).")
+    allowed_roots: list[Annotated[str, Field(min_length=1)]] | None = Field(
+        None, description="Directories clients may load adapters from at run time (/v1/load_lora_adapter, with "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING): a path is resolved (symlinks, ..) and must lie inside one. Default: "
+        "the directories holding the modules' adapters; with neither, runtime loading refuses every path. "
+        "Every path problem gets one error text, so clients cannot map the server's files (docs/lora.md).")
 
     @model_validator(mode="after")
     def _check(self) -> LoRAConfig:

@@ -12,6 +12,7 @@ or at once when the output does not open with the start-of-thinking marker
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import FIRST_COMPLETED, wait
 from typing import TYPE_CHECKING
 
@@ -37,10 +38,12 @@ class Constraints:
         self.compiling.append(request)
 
     def drop(self, request: Request) -> bool:
-        """Forget ``request`` if its grammar is still compiling (aborted); whether it was."""
+        """Forget ``request`` if its grammar is still compiling (aborted); whether it was. A
+        compilation no other request waits for is dropped before it starts."""
         if request not in self.compiling:
             return False
         self.compiling.remove(request)
+        self.grammars.cancel(request.compiling)
         request.status = Status.FINISHED
         return True
 
@@ -53,7 +56,7 @@ class Constraints:
         the output it has), and the error outputs of those whose grammar failed."""
         from hybridlb.grammar import GrammarError
 
-        ready, failed = [], []
+        ready, failed = [], self._expired()
         for request in [r for r in self.compiling if r.compiling.done()]:
             self.compiling.remove(request)
             future, request.compiling = request.compiling, None
@@ -70,6 +73,18 @@ class Constraints:
             failed.append(RequestOutput(request.request_id, [], "error", error=str(error), error_kind=kind))
         return ready, failed
 
+    def _expired(self) -> list[RequestOutput]:
+        """The error outputs of requests whose grammar is still not compiled after compile_timeout_s."""
+        limit = self.config.structured_outputs.compile_timeout_s
+        late = [r for r in self.compiling if not r.compiling.done() and time.monotonic() - r.arrived_at > limit]
+        for request in late:
+            self.drop(request)
+            log.warning("engine %d: the grammar of request %s did not compile within %g s", self.rank,
+                        request.request_id, limit)
+        return [RequestOutput(r.request_id, [], "error", error_kind="invalid", error=(
+                    f"its grammar did not compile within {limit:g} s (structured_outputs.compile_timeout_s); "
+                    "simplify it")) for r in late]
+
     def follow(self, request: Request, token: int) -> tuple[str | None, int | None, str | None]:
         """Advance the request's grammar by the token it sampled: (finish reason, stop token, error)."""
         if request.opening:
@@ -82,7 +97,10 @@ class Constraints:
             after = request.params.constraint.after
             request.grammar_started = request.output_token_ids[-len(after):] == after
             return None, None, None
-        if not request.grammar.accept(token):  # the mask allowed it, so only an engine bug gets here
+        if not request.grammar.accept(token):  # the mask allowed it: no token was left, or an engine bug
+            if request.restricts_tokens:  # allowed_token_ids, bad_words or min_tokens left the grammar no token
+                return "error", None, ("no token is allowed by both the request's grammar and its "
+                                       "allowed_token_ids, bad_words or min_tokens; loosen one of them")
             log.error("engine %d: request %s sampled token %d, which its grammar rejects", self.rank,
                       request.request_id, token)
             return "error", None, f"engine {self.rank}: the output left the request's grammar at token {token}"
@@ -106,5 +124,6 @@ class Constraints:
             from hybridlb.grammar import GrammarCache, make_backend
 
             options, model, vocab = self.config.structured_outputs, self.config.model, self.vocab_size
-            self.grammars = GrammarCache(lambda: make_backend(options, Tokenizer(model), vocab), options.cache_size)
+            self.grammars = GrammarCache(lambda: make_backend(options, Tokenizer(model), vocab), options.cache_size,
+                                         options.cache_bytes)
         return self.grammars

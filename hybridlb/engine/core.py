@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from hybridlb import lifecycle
 from hybridlb.checkpoint.tokenizer import read_eos_token_ids
 from hybridlb.config import EngineConfig
+from hybridlb.engine import blame, checks
 from hybridlb.engine.block_manager import BlockManager
 from hybridlb.engine.constraints import Constraints
 from hybridlb.engine.dp_context import DPContext
@@ -25,6 +26,7 @@ from hybridlb.engine.lora import AdapterSlots
 from hybridlb.engine.request import Request
 from hybridlb.engine.scheduler import ScheduledChunk, Scheduler
 from hybridlb.engine.speculative import NgramProposer
+from hybridlb.engine.step_clock import StepClock
 from hybridlb.params import LoRARequest, SamplingParams
 from hybridlb.prefix_hash import adapter_seed, hash_seed
 from hybridlb.protocol import EngineReady, EngineStats, RequestOutput
@@ -75,6 +77,7 @@ class EngineCore:
         self.step_failures = 0
         self.failed_in_a_row = 0
         self.busy_s = 0.0
+        self.clock = StepClock(config.max_num_batched_tokens)
         self._rss = (0.0, 0.0)  # (when read, MiB): /proc is read at most once a second
 
     # -- requests in ---------------------------------------------------------------
@@ -83,13 +86,15 @@ class EngineCore:
         """Queue a request; on invalid input return its error output instead. ``resumed``: the
         output tokens a migrated request already has (see AddRequest)."""
         resumed = resumed or []
-        problem = self._check(request_id, prompt_token_ids + resumed, params) or self._check_adapter(params.lora)
+        problem = (f"request id {request_id!r} is already in use" if request_id in self.requests else
+                   checks.request_problem(prompt_token_ids + resumed, params, self.vocab_size, self.max_model_len,
+                                          self.runner.scores_logprobs) or self._check_adapter(params.lora))
         if problem:
             return RequestOutput(request_id, [], finish_reason="error", error=problem)
-        if len(self.scheduler.waiting) >= self.config.max_queued_requests:
+        if (queued := len(self.scheduler.waiting) + len(self.constraints.compiling)) >= self.config.max_queued_requests:
             return RequestOutput(request_id, [], finish_reason="error", error_kind="busy",
-                                 error=f"engine {self.rank} already has {len(self.scheduler.waiting)} requests "
-                                       "waiting (engine.max_queued_requests); retry shortly")
+                                 error=f"engine {self.rank} already has {queued} requests waiting (their grammars "
+                                       "compiling included; engine.max_queued_requests); retry shortly")
         room = self.max_model_len - len(prompt_token_ids)
         max_tokens = min(params.max_tokens or room, room)
         generator = self.runner.generator(params.seed) if params.seed is not None else None
@@ -102,55 +107,28 @@ class EngineCore:
         if params.min_tokens:
             eos = set() if params.ignore_eos else self.eos_token_ids
             request.min_tokens_banned = sorted(eos | set(params.stop_token_ids))
-        self.requests[request_id] = request
         if params.constraint is None:
             self.scheduler.add(request)
         else:  # scheduled once its grammar compiled (see schedule)
             self.constraints.add(request)
-        return None
-
-    def _check(self, request_id: str, prompt: list[int], params: SamplingParams) -> str | None:
-        if request_id in self.requests:
-            return f"request id {request_id!r} is already in use"
-        if not prompt:
-            return "the prompt is empty"
-        if len(prompt) >= self.max_model_len:
-            return (f"the prompt has {len(prompt)} tokens but max_model_len is {self.max_model_len}; "
-                    "shorten the prompt")
-        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
-            return f"prompt token ids must be in [0, {self.vocab_size})"
-        if (problem := params.out_of_vocab(self.vocab_size)) is not None:
-            return problem
-        problems = params.problems()
-        if problems:
-            return "; ".join(message for _, message in problems)
-        if (params.logprobs is not None or params.prompt_logprobs is not None) and not self.runner.scores_logprobs:
-            return "this engine has no model (engine.simulate), so it has no log-probabilities; drop logprobs"
-        if params.constraint is not None and not self.runner.scores_logprobs:
-            return "this engine has no model (engine.simulate), so it cannot follow a grammar; drop the constraint"
+        self.requests[request_id] = request
         return None
 
     def _check_adapter(self, lora: LoRARequest | None) -> str | None:
-        """A request's LoRA adapter: served here, and readable (read once, then kept in memory)."""
-        if lora is None:
-            return None
-        if self.config.lora is None:
-            return f"this engine serves no LoRA adapters (engine.lora is unset); {lora.name!r} needs --enable-lora"
-        from hybridlb.checkpoint.lora import AdapterError
-
-        try:
-            self.runner.check_lora(lora)
-        except AdapterError as exc:
-            return f"LoRA adapter {lora.name!r}: {exc}"
-        return None
+        return checks.adapter_problem(self.config, lambda adapter: self.runner.check_lora(adapter), lora)
 
     def load_adapters(self, adapters: list[LoRARequest]) -> None:
         """engine.lora.load eager: read each adapter now and put it in a free slot (evicting none)."""
         for lora in adapters:
             if (problem := self._check_adapter(lora)) is not None:
                 log.warning("engine %d: not loaded: %s", self.rank, problem)
-            elif (slot := self.scheduler.adapters.take_free(lora)) is not None:
-                self.runner.adapters.place({slot: lora})
+                continue
+            try:
+                if (slot := self.scheduler.adapters.take_free(lora)) is not None:
+                    self.runner.adapters.place({slot: lora})
+            except Exception:
+                log.exception("engine %d: could not place LoRA adapter %r; requests load it when they need it",
+                              self.rank, lora.name)
 
     def abort(self, request_ids: list[str]) -> list[RequestOutput]:
         """Stop requests and free their KV blocks; unknown or finished ids are ignored."""
@@ -170,8 +148,9 @@ class EngineCore:
         return self.scheduler.has_work or bool(self.constraints.compiling) or bool(self._early_outputs)
 
     def step(self) -> list[RequestOutput]:
-        """One step of a dense engine. A step that raises fails only its own requests (an
-        expert-parallel engine steps through ``Lockstep``, where a failure breaks the group)."""
+        """One step of a dense engine. A step that raises fails only the requests it fails for
+        (``_recover``); an expert-parallel engine steps through ``Lockstep``, where a failure
+        breaks the group."""
         chunks = self.schedule()
         early = self.take_early_outputs()
         if not chunks:
@@ -179,17 +158,15 @@ class EngineCore:
                 self.constraints.wait_briefly()
             return early
         try:
-            outputs = early + self.run_chunks(chunks)
+            outputs = self.run_chunks(chunks)
         except Exception as exc:
-            self.failed_in_a_row += 1
-            limit = self.config.max_failed_steps
-            if limit and self.failed_in_a_row >= limit:  # a sticky fault: every request here would fail
+            try:
+                return early + self._recover(chunks, exc)
+            except SickEngine:
                 self._early_outputs[:0] = early
-                raise SickEngine(f"{self.failed_in_a_row} steps in a row failed (engine.max_failed_steps), the "
-                                 f"last with {type(exc).__name__}: {exc}") from exc
-            return early + self._fail_step(chunks, exc)
+                raise
         self.failed_in_a_row = 0
-        return outputs
+        return early + outputs
 
     def schedule(self) -> list[ScheduledChunk]:
         """What the next step computes (``Lockstep`` exchanges its size before running it)."""
@@ -207,18 +184,31 @@ class EngineCore:
         outputs, self._early_outputs = self._early_outputs, []
         return outputs
 
-    def _fail_step(self, chunks: list[ScheduledChunk], exc: Exception) -> list[RequestOutput]:
-        log.exception("engine %d: a step of %d requests failed; failing those requests and serving on",
-                      self.rank, len(chunks))
+    def _recover(self, chunks: list[ScheduledChunk], exc: Exception) -> list[RequestOutput]:
+        """A step raised (see ``hybridlb.engine.blame``): fail the requests it fails for, alone;
+        a fault no request explains counts towards engine.max_failed_steps."""
+        log.error("engine %d: a step of %d requests failed (%s: %s); finding whose fault it was", self.rank,
+                  len(chunks), type(exc).__name__, exc, exc_info=exc)
         self.step_failures += 1
-        error = f"engine {self.rank} failed to run this request: {type(exc).__name__}: {exc}"
-        outputs = []
-        for chunk in chunks:
-            request = self.requests.pop(chunk.request.request_id, None)
-            if request is not None:
-                self.scheduler.finish(request)
-                outputs.append(RequestOutput(request.request_id, [], "error", error=error, error_kind="internal"))
-        return outputs
+        if not isinstance(exc, blame.AfterTheStep) and blame.canary_runs(self.runner.run, self.blocks):
+            try:
+                outputs, culprits = blame.isolate(self.run_chunks, chunks, exc)
+                self.failed_in_a_row = 0
+                return outputs + [self._fail(chunk.request, error, "invalid") for chunk, error in culprits]
+            except blame.AfterTheStep as late:  # a group's outputs failed to be taken in: the engine's fault
+                exc = late
+        self.failed_in_a_row += 1
+        limit = self.config.max_failed_steps
+        if limit and self.failed_in_a_row >= limit:  # a sticky fault: every request here would fail
+            raise SickEngine(f"{self.failed_in_a_row} steps in a row failed (engine.max_failed_steps), the "
+                             f"last with {type(exc).__name__}: {exc}") from exc
+        return [self._fail(chunk.request, exc, "internal") for chunk in chunks if chunk.request.request_id in
+                self.requests]
+
+    def _fail(self, request: Request, exc: Exception, kind: str) -> RequestOutput:
+        self.requests.pop(request.request_id, None)
+        self.scheduler.finish(request)
+        return blame.error_output(self.rank, request.request_id, exc, kind)
 
     def run_chunks(self, chunks: list[ScheduledChunk], started: float | None = None) -> list[RequestOutput]:
         """Run what ``schedule()`` returned; sample, append, finish. Busy time counts from
@@ -227,8 +217,12 @@ class EngineCore:
         decoding = self.scheduler.proposer is not None and all(c.request.num_uncomputed == 1 for c in chunks)
         tokens = self.runner.run(chunks)
         self.num_steps += 1
-        outputs = self._postprocess(chunks, tokens)
+        try:
+            outputs = self._postprocess(chunks, tokens)
+        except Exception as exc:  # tokens may be appended already: this step must not run again
+            raise blame.AfterTheStep(f"{type(exc).__name__}: {exc}") from exc
         self.busy_s += (seconds := time.perf_counter() - started)
+        self.clock.record(seconds, sum(c.num_tokens for c in chunks))
         if decoding and chunks:  # what drafts cost: decode steps' time against their rows
             self.scheduler.proposer.cost.timed(sum(c.num_tokens for c in chunks), seconds)
         return outputs
@@ -273,7 +267,11 @@ class EngineCore:
         request = e.chunk.request
         request.token_ids.append(token)
         e.tokens.append(token)
-        reason, stop_token, error = self.constraints.follow(request, token) if request.grammar else (None, None, None)
+        try:
+            reason, stop_token, error = (self.constraints.follow(request, token) if request.grammar
+                                         else (None, None, None))
+        except Exception as exc:  # this request's grammar, not the step's
+            reason, stop_token, error = "error", None, f"engine {self.rank}: its grammar failed: {exc!r}"
         if reason is None:
             reason, stop_token = self._finish_reason(request, token)
         e.reason, e.stop_token, e.error = reason, stop_token, error
@@ -298,8 +296,8 @@ class EngineCore:
         logprobs, prompt_logprobs = request.take_logprobs()
         output = RequestOutput(request.request_id, e.tokens, e.reason, e.stop_token, logprobs=logprobs,
                                prompt_logprobs=prompt_logprobs)
-        if e.error is not None:
-            output.error, output.error_kind = e.error, "internal"
+        if e.error is not None:  # its own masks leaving the grammar no token is the request's fault
+            output.error, output.error_kind = e.error, "invalid" if request.restricts_tokens else "internal"
         if request.num_output_tokens == len(e.tokens) and request.scheduled_at is not None:  # its first
             output.queued_s = round(request.scheduled_at - request.arrived_at, 6)
             output.prefill_s = round(time.monotonic() - request.scheduled_at, 6)
@@ -317,7 +315,7 @@ class EngineCore:
         return EngineStats(
             rank=self.rank,
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=len(self.scheduler.waiting) + len(self.constraints.compiling),  # as vLLM's WAITING_FOR_FSM
             kv_usage=round(self.blocks.usage, 4),
             busy_s=round(self.busy_s, 3),
             steps=self.num_steps,
@@ -327,6 +325,7 @@ class EngineCore:
             prefix_hits=self.blocks.hit_tokens,
             cached_blocks=self.blocks.num_cached,
             step_failures=self.step_failures,
+            longest_step_s=round(self.clock.longest_step_s(), 3),
             spec_drafts=spec.drafts,
             spec_draft_tokens=spec.draft_tokens,
             spec_accepted_tokens=spec.accepted_tokens,
@@ -339,7 +338,6 @@ class EngineCore:
         if now - self._rss[0] >= 1.0:
             self._rss = (now, round(lifecycle.resident_mib(), 1))
         return self._rss[1]
-
 
     # -- what the process shell publishes --------------------------------------------
     def enable_cache_events(self, stored: bool) -> None:

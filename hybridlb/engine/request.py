@@ -111,6 +111,11 @@ class Request:
         return bool(self.params.allowed_token_ids or self.params.bad_words
                     or (self.min_tokens_banned and self.num_output_tokens < self.params.min_tokens))
 
+    @property
+    def restricts_tokens(self) -> bool:
+        """Whether its own params mask tokens beside a grammar (which may leave the grammar none)."""
+        return bool(self.params.allowed_token_ids or self.params.bad_words or self.params.min_tokens)
+
     def take_logprobs(self) -> tuple[list[TokenLogprobs] | None, list[TokenLogprobs | None] | None]:
         """What the next output carries: the new tokens' log-probabilities, and the prompt's once."""
         new = None

@@ -177,6 +177,17 @@ class EngineShell:
             pass
 
     def _handle(self, route: _Route, identity: bytes, message) -> None:
+        """One inbox message, under its own error boundary: what fails here is that message's
+        (a request that cannot be added gets its error output), never the engine's loop."""
+        try:
+            self._take(route, identity, message)
+        except Exception as exc:
+            log.exception("engine %d: could not handle a %s message", self.core.rank, type(message).__name__)
+            if isinstance(message, AddRequest):  # add_request registers nothing that fails
+                route.add(identity, RequestOutput(message.request_id, [], "error", error_kind="invalid", error=(
+                    f"engine {self.core.rank} could not take this request: {type(exc).__name__}: {exc}")))
+
+    def _take(self, route: _Route, identity: bytes, message) -> None:
         if isinstance(message, AddRequest):
             error = self.core.add_request(message.request_id, message.prompt_token_ids, message.params,
                                           message.resumed)
@@ -344,11 +355,13 @@ def run_engine(config: EngineConfig, dp: DPContext, address: str, torch_threads:
     except (EngineFailed, SickEngine) as exc:
         log.error("engine %d: %s; exiting", dp.rank, exc)
         raise SystemExit(1) from None
-    except Exception as exc:  # only a lockstep step raises here (a dense step fails just its requests)
+    except Exception as exc:  # a lockstep step (a dense step fails just its requests), or a bug in the loop
         if _is_collective_failure(exc):
             log.error("engine %d: the expert-parallel group broke (%s); exiting", dp.rank, exc)
-        else:
+        elif shell.lockstep is not None:
             log.exception("engine %d: a lockstep step failed; the other ranks cannot step without this one, "
                           "so the engine exits", dp.rank)
+        else:
+            log.exception("engine %d: its loop failed; exiting", dp.rank)
         raise SystemExit(1) from None
     log.info("engine %d stopped", dp.rank)

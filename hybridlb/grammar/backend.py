@@ -56,6 +56,7 @@ class Backend(Protocol):
 
     def compile(self, constraint: Constraint) -> object: ...
     def matcher(self, compiled: object) -> Matcher: ...
+    def size_of(self, compiled: object) -> int: ...
 
 
 def _choice(request: bool | None, server: bool) -> bool:
@@ -264,6 +265,10 @@ class LLGuidanceBackend:
     def matcher(self, compiled) -> Matcher:
         return _LLGuidanceMatcher(compiled.deep_copy())
 
+    def size_of(self, compiled) -> int:
+        """0: llguidance does not say; its own limits (lexer states, grammar size) bound each one."""
+        return 0
+
 
 # -- xgrammar -----------------------------------------------------------------------------
 def _xgrammar():
@@ -353,6 +358,9 @@ class XGrammarBackend:
 
     def matcher(self, compiled) -> Matcher:
         return _XGrammarMatcher(self._xgr.GrammarMatcher(compiled), self._stops, self._vocab_size)
+
+    def size_of(self, compiled) -> int:
+        return compiled.memory_size_bytes
 
 
 def _vocab_type(xgr, spec: dict):

@@ -26,6 +26,7 @@ class Outcome:
     detail: str = ""
     ended_at: float | None = None
     events: list[str] = field(default_factory=list)
+    text: str = ""  # what it streamed
 
 
 class Streams:
@@ -69,6 +70,7 @@ class Streams:
             outcome.kind, outcome.detail = "error", event["error"]["message"]
             return
         outcome.chunks += 1
+        outcome.text += event["choices"][0].get("text") or ""
         outcome.finish_reason = event["choices"][0].get("finish_reason") or outcome.finish_reason
 
     def wait_streaming(self, min_chunks: int = 3, timeout_s: float = 60) -> None:

@@ -14,7 +14,7 @@ from hybridlb.checkpoint.tokenizer import Tokenizer, read_eos_token_ids
 from hybridlb.config import StructuredOutputsConfig
 from hybridlb.grammar import GrammarCache, GrammarError, check, make_backend
 from hybridlb.grammar.backend import ascii_digits, json_schema
-from hybridlb.params import Constraint
+from hybridlb.params import Constraint, SamplingParams
 from tests.conftest import SMOLLM2
 
 OPTIONS = StructuredOutputsConfig()
@@ -109,6 +109,9 @@ def test_each_distinct_constraint_compiles_once_and_requests_share_it():
         def matcher(self, compiled):
             return object()
 
+        def size_of(self, compiled):
+            return 0
+
     cache = GrammarCache(Slow, size=2)
     started = time.perf_counter()
     futures = [cache.matcher(Constraint("regex", "a+")) for _ in range(5)]
@@ -136,12 +139,64 @@ def test_a_failed_compile_fails_only_its_requests():
         def matcher(self, compiled):
             return compiled
 
+        def size_of(self, compiled):
+            return 0
+
     cache = GrammarCache(Picky, size=4)
     bad, good = cache.matcher(Constraint("regex", "bad")), cache.matcher(Constraint("regex", "good"))
     with pytest.raises(GrammarError, match="no"):
         bad.result(5)
     assert good.result(5) == "good"
     assert threading.active_count() < 50
+    cache.close()
+
+
+class _Gated:
+    """A backend whose compilations wait for ``gate``; each compiled grammar 'holds' 100 bytes."""
+
+    name = "gated"
+
+    def __init__(self):
+        self.gate, self.made = threading.Event(), []
+
+    def compile(self, constraint):
+        self.gate.wait(5)
+        self.made.append(constraint.value)
+        return constraint.value
+
+    def matcher(self, compiled):
+        return compiled
+
+    def size_of(self, compiled):
+        return 100
+
+
+def test_an_aborted_request_drops_its_queued_compilation():
+    """Compilations nobody waits for any more never run (a flood of distinct grammars, aborted)."""
+    backend = _Gated()
+    cache = GrammarCache(lambda: backend, size=8)
+    first = cache.matcher(Constraint("regex", "a+"))  # runs: the thread waits on the gate
+    queued = [cache.matcher(Constraint("regex", f"b{i}+")) for i in range(5)]
+    shared = [cache.matcher(Constraint("regex", "c+")) for _ in range(2)]
+    for future in queued:
+        cache.cancel(future)
+    cache.cancel(shared[0])  # the other request still waits for c+
+    backend.gate.set()
+    assert first.result(5) == "a+" and shared[1].result(5) == "c+"
+    assert backend.made == ["a+", "c+"] and cache.cancelled == 5
+    cache.close()
+
+
+def test_the_cache_keeps_no_more_bytes_than_it_may():
+    backend = _Gated()
+    backend.gate.set()
+    cache = GrammarCache(lambda: backend, size=100, max_bytes=250)
+    for value in ("a+", "b+", "c+"):
+        cache.matcher(Constraint("regex", value)).result(5)
+    assert cache.held_bytes == 200
+    assert cache.matcher(Constraint("regex", "c+")).done()  # kept
+    cache.matcher(Constraint("regex", "a+")).result(5)  # evicted for c+: compiled again
+    assert backend.made == ["a+", "b+", "c+", "a+"]
     cache.close()
 
 
@@ -161,3 +216,28 @@ def test_a_json_schema_matcher_takes_a_valid_document_and_refuses_a_wrong_key(ba
         assert wrong.accept(token)
     bad = tokenizer.encode('{"colour', add_special_tokens=False)[len(prefix)]
     assert bad not in _allowed(wrong, tokenizer.vocab_size)  # closed object: no key beyond name and age
+
+
+def test_a_grammar_that_does_not_compile_in_time_fails_its_request_and_is_not_compiled(tiny_qwen3):
+    """engine.structured_outputs.compile_timeout_s: the request fails (400), and a compilation
+    still queued for it is dropped."""
+    from hybridlb.config import EngineConfig
+    from hybridlb.engine.constraints import Constraints
+    from hybridlb.engine.request import Request
+
+    config = EngineConfig(model=tiny_qwen3, structured_outputs={"compile_timeout_s": 0.2})
+    constraints = Constraints(config, 1024, 0, set())
+    backend = _Gated()
+    constraints.grammars = GrammarCache(lambda: backend, size=8)
+    slow, queued = (Request(name, [1], SamplingParams(constraint=Constraint("regex", f"{name}+")), 4, None)
+                    for name in ("slow", "queued"))
+    for request in (slow, queued):
+        constraints.add(request)
+    time.sleep(0.3)
+    ready, failed = constraints.admit()
+    assert not ready and {(o.request_id, o.error_kind) for o in failed} == {("slow", "invalid"), ("queued", "invalid")}
+    assert "compile_timeout_s" in failed[0].error and not constraints.compiling
+    backend.gate.set()
+    time.sleep(0.1)
+    assert backend.made == ["slow+"]  # the one that had started; the queued one never ran
+    constraints.grammars.close()
