@@ -154,11 +154,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     def out_of_vocab(self, vocab_size: int) -> tuple[str, str] | None:
         """The first field naming a token id outside ``[0, vocab_size)``, as (field, message), if any:
         every such id indexes the logits, where one out of range fails the whole step."""
-        constraint = self.constraint or Constraint("json", "")
+        markers = [*self.constraint.after, *self.constraint.opener] if self.constraint is not None else []
         for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias),
                           ("allowed_token_ids", self.allowed_token_ids or ()),
                           ("bad_words", [t for word in self.bad_words for t in word]),
-                          ("structured_outputs", [*constraint.after, *constraint.opener])):
+                          ("structured_outputs", markers)):
             if any(not 0 <= token < vocab_size for token in ids):
                 return name, f"{name} token ids must be in [0, {vocab_size})"
         return None

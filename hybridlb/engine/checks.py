@@ -34,10 +34,10 @@ def request_problem(prompt: list[int], params: SamplingParams, vocab_size: int, 
     return None
 
 
-def adapter_problem(config: EngineConfig, read, lora: LoRARequest | None) -> str | None:
-    """Why a request's LoRA adapter cannot be served here, or None. ``read(lora)`` reads it (then
-    kept in memory); any failure to (a file replaced or truncated since it was registered) is the
-    request's error, never the engine's."""
+def adapter_problem(config: EngineConfig, runner, lora: LoRARequest | None) -> str | None:
+    """Why a request's LoRA adapter cannot be served here, or None. ``runner.check_lora`` reads it
+    (then kept in memory); any failure to (a file replaced or truncated since it was registered) is
+    the request's error, never the engine's."""
     if lora is None:
         return None
     if config.lora is None:
@@ -45,7 +45,7 @@ def adapter_problem(config: EngineConfig, read, lora: LoRARequest | None) -> str
     from hybridlb.checkpoint.lora import AdapterError
 
     try:
-        read(lora)
+        runner.check_lora(lora)
     except AdapterError as exc:
         return f"LoRA adapter {lora.name!r}: {exc}"
     except Exception as exc:

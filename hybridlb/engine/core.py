@@ -115,7 +115,7 @@ class EngineCore:
         return None
 
     def _check_adapter(self, lora: LoRARequest | None) -> str | None:
-        return checks.adapter_problem(self.config, lambda adapter: self.runner.check_lora(adapter), lora)
+        return checks.adapter_problem(self.config, self.runner, lora)
 
     def load_adapters(self, adapters: list[LoRARequest]) -> None:
         """engine.lora.load eager: read each adapter now and put it in a free slot (evicting none)."""
@@ -202,8 +202,8 @@ class EngineCore:
         if limit and self.failed_in_a_row >= limit:  # a sticky fault: every request here would fail
             raise SickEngine(f"{self.failed_in_a_row} steps in a row failed (engine.max_failed_steps), the "
                              f"last with {type(exc).__name__}: {exc}") from exc
-        return [self._fail(chunk.request, exc, "internal") for chunk in chunks if chunk.request.request_id in
-                self.requests]
+        alive = [chunk.request for chunk in chunks if chunk.request.request_id in self.requests]
+        return [self._fail(request, exc, "internal") for request in alive]
 
     def _fail(self, request: Request, exc: Exception, kind: str) -> RequestOutput:
         self.requests.pop(request.request_id, None)
@@ -222,9 +222,9 @@ class EngineCore:
         except Exception as exc:  # tokens may be appended already: this step must not run again
             raise blame.AfterTheStep(f"{type(exc).__name__}: {exc}") from exc
         self.busy_s += (seconds := time.perf_counter() - started)
-        self.clock.record(seconds, sum(c.num_tokens for c in chunks))
+        self.clock.record(seconds, rows := sum(c.num_tokens for c in chunks))
         if decoding and chunks:  # what drafts cost: decode steps' time against their rows
-            self.scheduler.proposer.cost.timed(sum(c.num_tokens for c in chunks), seconds)
+            self.scheduler.proposer.cost.timed(rows, seconds)
         return outputs
 
     def dummy_step(self, started: float) -> None:
