@@ -7,7 +7,14 @@ from typing import Annotated
 
 import typer
 
-from hybridlb.cli.options import build_config, check_model_options, ensure_checkpoint, fail, plan_of
+from hybridlb.cli.options import (
+    build_config,
+    check_model_options,
+    ensure_checkpoint,
+    fail,
+    plan_of,
+    stopped_before_start,
+)
 from hybridlb.config import Config
 
 
@@ -29,14 +36,12 @@ def up(
     from hybridlb.launch.ray_session import UpError
 
     try:
-        cfg, plan = _whole_cluster(config, {"ray": dict(address=address, name=name)})
-        check_model_options(cfg)
-        code = ray_up(cfg, plan, detach)
+        with stopped_before_start():
+            cfg, plan = _whole_cluster(config, {"ray": dict(address=address, name=name)})
+            check_model_options(cfg)
+            code = ray_up(cfg, plan, detach)
     except UpError as exc:
         fail(str(exc))
-    except KeyboardInterrupt:  # before the launcher took the signals (reading the config and the model)
-        typer.echo("SIGINT: stopping (nothing was started yet)", err=True)
-        raise typer.Exit(130) from None
     raise typer.Exit(code)
 
 

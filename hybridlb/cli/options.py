@@ -3,6 +3,7 @@ the Config built from ``--config`` plus flags, with its cluster plan and checkpo
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import json
@@ -22,6 +23,17 @@ def fail(message: str) -> None:
     """Print ``error: message`` in red and exit 2."""
     typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
     raise typer.Exit(2)
+
+
+@contextlib.contextmanager
+def stopped_before_start():
+    """Ctrl-C before a launcher takes the signals (reading the config, the model, the plan)
+    exits 130 with one line, as after (typer alone would exit 130 without a word)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        typer.echo("SIGINT: stopping (nothing was started yet)", err=True)
+        raise typer.Exit(130) from None
 
 
 def vllm_option(*names: str, help: str | None = None) -> typer.models.OptionInfo:

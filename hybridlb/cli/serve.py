@@ -21,6 +21,7 @@ from hybridlb.cli.options import (
     parallel_overrides,
     plan_of,
     served_names,
+    stopped_before_start,
     vllm_option,
     with_options,
 )
@@ -134,46 +135,48 @@ def serve(
     """Serve the OpenAI API from this node: its engines and API servers, no Ray (see SERVE_HELP)."""
     from hybridlb.launch.serve_node import serve as serve_node
 
-    layout = parallel_overrides(parallel)
-    layout["data_parallel"].update(cluster_token=cluster_token, restart_policy=restart_policy)
-    layout["lb"]["policy"] = lb_policy
-    cfg = build_config(config, model, {
-        "engine": dict(max_model_len=max_model_len, max_num_seqs=max_num_seqs, device=device, dtype=dtype,
-                       quantization=quantization, max_queued_requests=max_queued_requests,
-                       max_num_batched_tokens=max_num_batched_tokens, kv_cache_gib=kv_cache_gib,
-                       gpu_memory_utilization=gpu_memory_utilization,
-                       block_size=block_size, seed=seed, torch_threads=torch_threads,
-                       enforce_eager=enforce_eager or None,
-                       share_cores=share_cores, prefix_caching=enable_prefix_caching,
-                       kv_events=json_flag("--kv-events-config", kv_events_config),
-                       structured_outputs=json_flag("--structured-outputs-config", structured_outputs_config),
-                       speculative=json_flag("--speculative-config", speculative_config),
-                       lora=lora_flags(enable_lora, lora_modules, max_loras=max_loras, max_lora_rank=max_lora_rank,
-                                       max_cpu_loras=max_cpu_loras, load=lora_load,
-                                       allowed_roots=lora_allowed_root),
-                       expert_parallel=enable_expert_parallel, async_dp_coordination=async_dp_coordination,
-                       dp_timeout_s=dp_timeout, simulate=_simulate_flags(simulate_step_ms, simulate_per_token_ms)),
-        "api": dict(host=host, port=port, served_model_name=served_names(served_model_name), api_key=api_key,
-                    max_concurrent_requests=max_concurrent_requests, request_timeout_s=request_timeout,
-                    chat_template=chat_template, generation_config=generation_config,
-                    enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
-                    reasoning_parser=reasoning_parser, migration_limit=migration_limit),
-        **layout,
-    })
+    with stopped_before_start():
+        layout = parallel_overrides(parallel)
+        layout["data_parallel"].update(cluster_token=cluster_token, restart_policy=restart_policy)
+        layout["lb"]["policy"] = lb_policy
+        cfg = build_config(config, model, {
+            "engine": dict(max_model_len=max_model_len, max_num_seqs=max_num_seqs, device=device, dtype=dtype,
+                           quantization=quantization, max_queued_requests=max_queued_requests,
+                           max_num_batched_tokens=max_num_batched_tokens, kv_cache_gib=kv_cache_gib,
+                           gpu_memory_utilization=gpu_memory_utilization,
+                           block_size=block_size, seed=seed, torch_threads=torch_threads,
+                           enforce_eager=enforce_eager or None,
+                           share_cores=share_cores, prefix_caching=enable_prefix_caching,
+                           kv_events=json_flag("--kv-events-config", kv_events_config),
+                           structured_outputs=json_flag("--structured-outputs-config", structured_outputs_config),
+                           speculative=json_flag("--speculative-config", speculative_config),
+                           lora=lora_flags(enable_lora, lora_modules, max_loras=max_loras, max_lora_rank=max_lora_rank,
+                                           max_cpu_loras=max_cpu_loras, load=lora_load,
+                                           allowed_roots=lora_allowed_root),
+                           expert_parallel=enable_expert_parallel, async_dp_coordination=async_dp_coordination,
+                           dp_timeout_s=dp_timeout, simulate=_simulate_flags(simulate_step_ms, simulate_per_token_ms)),
+            "api": dict(host=host, port=port, served_model_name=served_names(served_model_name), api_key=api_key,
+                        max_concurrent_requests=max_concurrent_requests, request_timeout_s=request_timeout,
+                        chat_template=chat_template, generation_config=generation_config,
+                        enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
+                        reasoning_parser=reasoning_parser, migration_limit=migration_limit),
+            **layout,
+        })
 
-    cfg = _in_a_pod(cfg)
-    ensure_checkpoint(cfg.engine)
-    check_model_options(cfg)
-    if cfg.engine.simulate is not None:
-        typer.secho(f"warning: SIMULATED engines ({cfg.engine.simulate.step_ms:g} ms per step, no model "
-                    "loaded): for control-plane benchmarks only", fg=typer.colors.YELLOW, err=True)
-    plan, node = plan_of(cfg)
-    if dry_run:
-        from hybridlb.plan import format_plan
+        cfg = _in_a_pod(cfg)
+        ensure_checkpoint(cfg.engine)
+        check_model_options(cfg)
+        if cfg.engine.simulate is not None:
+            typer.secho(f"warning: SIMULATED engines ({cfg.engine.simulate.step_ms:g} ms per step, no model "
+                        "loaded): for control-plane benchmarks only", fg=typer.colors.YELLOW, err=True)
+        plan, node = plan_of(cfg)
+        if dry_run:
+            from hybridlb.plan import format_plan
 
-        typer.echo(f"{format_plan(plan)}\nthis node: {node.summary()}; {_engine_summary(cfg)}")
-        raise typer.Exit(0)
-    raise typer.Exit(serve_node(cfg, plan, node))
+            typer.echo(f"{format_plan(plan)}\nthis node: {node.summary()}; {_engine_summary(cfg)}")
+            raise typer.Exit(0)
+        code = serve_node(cfg, plan, node)
+    raise typer.Exit(code)
 
 
 @with_options(PARALLEL, into="parallel")
