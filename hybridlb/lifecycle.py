@@ -14,6 +14,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 import setproctitle
@@ -201,6 +202,29 @@ def descendants(pid: int | None = None) -> list[int]:
         except (FileNotFoundError, ProcessLookupError):
             continue
     return found
+
+
+def reap(process: BaseProcess, timeout_s: float = 2.0) -> str:
+    """Collect the exit status of a child ``multiprocessing.Process`` seen to end (its sentinel)
+    and say how it ended. Its sentinel closes a moment before the kernel makes it a zombie, so
+    ``exitcode`` may still read None: poll until it does not, which also reaps it (no
+    ``<defunct>`` left until shutdown)."""
+    deadline = time.monotonic() + timeout_s
+    while process.exitcode is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return exit_text(process.exitcode)
+
+
+def exit_text(code: int | None) -> str:
+    """How a process ended, from its ``exitcode``: "exited with code 1", "was killed by SIGKILL"."""
+    if code is None:
+        return "is gone (its exit status is not known yet)"
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        return f"was killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"was killed by signal {-code}"
 
 
 def wait_gone(pids: list[int], timeout_s: float) -> list[int]:

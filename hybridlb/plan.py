@@ -81,6 +81,11 @@ class ClusterPlan:
     def multi_node(self) -> bool:
         return not self.complete or len(self.nodes) > 1
 
+    @property
+    def joins_cluster(self) -> bool:
+        """Whether nodes must find each other through the head's rpc handshake (else each runs on its own)."""
+        return self.multi_node and (self.coordinator or self.mode == "internal")
+
     def coordinator_stats_address(self) -> str:
         return f"tcp://{self.head_address}:{self.rpc_port + 1}"
 
@@ -100,6 +105,44 @@ class ClusterPlan:
         """Every port this plan names (the rpc block, engines', API servers', supervisors')."""
         api = {p for node in self.nodes for p in (node.supervisor_port, *(a.port for a in node.api_servers)) if p}
         return frozenset(range(self.rpc_port, self.rpc_port + ENGINE_PORT_OFFSET + self.size)) | api
+
+
+@dataclass(frozen=True)
+class Listener:
+    """A TCP port a node listens on: where, what for, and the option that moves it."""
+
+    host: str
+    port: int
+    what: str
+    option: str
+
+
+def listeners(plan: ClusterPlan, node: NodePlan, head_block: bool = True) -> list[Listener]:
+    """Every TCP port ``node`` listens on, each once: its API servers' (several may share one), its
+    supervisor's, the head's rpc block (handshake, coordinator and waves when nodes join over TCP,
+    the rendezvous of expert parallelism; ``head_block`` false: Ray draws those ports itself) and
+    its engines' (internal LB over several nodes; only where the node's address is known, else it
+    is learnt at start). One node alone keeps its coordinator on IPC sockets (``launch.node``)."""
+    found = [Listener(api.host, api.port, f"API server {api.name}", "--port (api.port)")
+             for api in node.api_servers]
+    if node.supervisor_port is not None:
+        found.append(Listener(node.api_servers[0].host, node.supervisor_port, f"the supervisor of node {node.index}",
+                              "--data-parallel-supervisor-port (lb.supervisor_port)"))
+    if node.is_head and head_block:
+        block = {0: ("the rpc handshake", plan.joins_cluster),
+                 1: ("the coordinator (stats in)", plan.coordinator and plan.multi_node),
+                 2: ("the coordinator (loads out)", plan.coordinator and plan.multi_node),
+                 3: ("the expert-parallel rendezvous", plan.lockstep),
+                 4: ("the coordinator (waves out)", plan.lockstep and plan.multi_node)}
+        found += [Listener(plan.head_address, plan.rpc_port + offset, what, "--data-parallel-rpc-port "
+                           "(data_parallel.rpc_port)") for offset, (what, bound) in block.items() if bound]
+    if plan.remote_engines and node.address is not None:
+        found += [Listener(node.address, plan.engine_port(rank), f"engine {rank}", "--data-parallel-rpc-port "
+                           "(data_parallel.rpc_port; engines take rpc_port + 16 + rank)") for rank in node.ranks]
+    unique: dict[tuple[str, int], Listener] = {}
+    for listener in found:
+        unique.setdefault((listener.host, listener.port), listener)
+    return list(unique.values())
 
 
 def _api_server_count(config: Config, local_engines: int) -> int:

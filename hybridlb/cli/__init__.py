@@ -14,6 +14,7 @@ from hybridlb.cli import vllm_args
 from hybridlb.cli.bench import bench_app
 from hybridlb.cli.cluster import down, status, up
 from hybridlb.cli.model import generate, make_model_command
+from hybridlb.cli.problems import Refusal
 from hybridlb.cli.render import render_app
 from hybridlb.cli.serve import SERVE_HELP, plan, serve
 
@@ -30,20 +31,42 @@ app.command(short_help="Stop a cluster started with `up --detach`.")(down)
 app.add_typer(bench_app, name="bench", short_help="Benchmark a running server.")
 app.add_typer(render_app, name="render", short_help="Render the cluster for Kubernetes.")
 
+# What typer raises for a value it cannot parse: click's UsageError (typer >= 0.20 carries a copy of click).
+USAGE_ERROR = next(kind for kind in typer.BadParameter.__mro__ if kind.__name__ == "UsageError")
+
 
 def main() -> None:
-    """The ``hybridlb`` command: ``serve`` also takes ``vllm serve``'s spelling (see vllm_args)."""
+    """The ``hybridlb`` command: ``serve`` also takes ``vllm serve``'s spelling (see vllm_args).
+    A command's ``Refusal`` ends here: ``error: ...`` (every problem found), exit 2."""
     args = sys.argv[1:]
+    problems: list[str] = []
     if args[:1] == ["serve"] and not {"-h", "--help"} & set(args):
-        try:
-            translated, notes = vllm_args.translate(args[1:])
-        except vllm_args.FlagError as exc:
-            typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
-            raise SystemExit(2) from None
+        translated, notes, problems = vllm_args.translate_all(args[1:], _serve_flags())
         for note in notes:
             typer.secho(f"note: {note}", err=True)
         sys.argv[1:] = ["serve", *translated]
-    app()
+    try:
+        if problems:
+            raise SystemExit(_serve_despite(problems))
+        app()
+    except Refusal as refusal:
+        refusal.show()
+        raise SystemExit(refusal.exit_code) from None
+
+
+def _serve_despite(problems: list[str]) -> int:
+    """``serve`` with flags refused: they ride in the context's obj, for ``serve`` to list with the
+    config's and the model's problems; a value typer refuses while parsing joins the list here."""
+    try:
+        return app(obj=problems, standalone_mode=False)
+    except USAGE_ERROR as exc:
+        raise Refusal([*problems, exc.format_message()]) from None
+
+
+def _serve_flags() -> set[str]:
+    """Every flag ``hybridlb serve`` takes (the others in a vLLM command line are problems)."""
+    command = typer.main.get_command(app).commands["serve"]
+    return {name for param in command.params for name in (*param.opts, *param.secondary_opts)}
 
 
 if __name__ == "__main__":

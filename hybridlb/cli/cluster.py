@@ -7,22 +7,9 @@ from typing import Annotated
 
 import typer
 
-from hybridlb.cli.options import (
-    build_config,
-    check_model_options,
-    ensure_checkpoint,
-    fail,
-    plan_of,
-    stopped_before_start,
-)
-from hybridlb.config import Config
-
-
-def _whole_cluster(config: Path, overrides: dict) -> tuple[Config, object]:
-    cfg = build_config(config, None, overrides)
-    ensure_checkpoint(cfg.engine)
-    plan, _ = plan_of(cfg)
-    return cfg, plan
+from hybridlb.cli.options import build_config, fail, stopped_before_start
+from hybridlb.cli.problems import Problems
+from hybridlb.cli.start_checks import check_start
 
 
 def up(
@@ -32,16 +19,18 @@ def up(
     name: Annotated[str | None, typer.Option(help="Cluster name (default: ray.name, 'default').")] = None,
 ):
     """Place the cluster on Ray: per node an API server and its engines, one coordinator."""
-    from hybridlb.launch.ray_driver import up as ray_up
-    from hybridlb.launch.ray_session import UpError
+    with stopped_before_start():
+        problems = Problems()
+        cfg = build_config(config, None, {"ray": dict(address=address, name=name)}, problems)
+        plan, _ = check_start(cfg, problems, cluster=True) if cfg is not None else (None, None)
+        problems.raise_any()  # every problem of the config, as `serve` lists them
+        from hybridlb.launch.ray_driver import up as ray_up  # Ray is imported once the checks passed
+        from hybridlb.launch.ray_session import UpError
 
-    try:
-        with stopped_before_start():
-            cfg, plan = _whole_cluster(config, {"ray": dict(address=address, name=name)})
-            check_model_options(cfg)
+        try:
             code = ray_up(cfg, plan, detach)
-    except UpError as exc:
-        fail(str(exc))
+        except UpError as exc:
+            fail(str(exc))
     raise typer.Exit(code)
 
 

@@ -1,5 +1,7 @@
 """What the commands share: option declarations (each declared once), the error exit, and
-the Config built from ``--config`` plus flags, with its cluster plan and checkpoint checks."""
+the Config built from ``--config`` plus flags, with its cluster plan and checkpoint checks.
+The helpers that read flags add what is wrong to a ``Problems`` list and go on, so that a
+command reports every problem of its command line at once."""
 
 from __future__ import annotations
 
@@ -12,17 +14,13 @@ from typing import Annotated, Any
 
 import typer
 
-from hybridlb.config import Config, ConfigError, EngineConfig, load_config, parse_config
+from hybridlb.cli.problems import Problems, Refusal, fail
+from hybridlb.config import Config, ConfigError, EngineConfig, parse_config, read_config_file
 
 # --help marks the flags vLLM also has (same name and meaning) apart from hybridlb's own.
 VLLM_MARK = "[vLLM]"
-MODEL_HELP = "Checkpoint: a Hugging Face directory, a .gguf file, or package:DIST/PATH."
-
-
-def fail(message: str) -> None:
-    """Print ``error: message`` in red and exit 2."""
-    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
-    raise typer.Exit(2)
+MODEL_HELP = ("Checkpoint: a Hugging Face directory, a .gguf file, package:DIST/PATH, or a hub ID (org/name) "
+              "in the local Hugging Face cache.")
 
 
 @contextlib.contextmanager
@@ -113,7 +111,7 @@ def with_options(options: dict[str, Any], into: str):
     return decorate
 
 
-def parallel_overrides(flags: dict[str, Any]) -> dict[str, dict]:
+def parallel_overrides(flags: dict[str, Any], problems: Problems) -> dict[str, dict]:
     """Config overrides (section → fields) from the PARALLEL flags' values."""
     sections: dict[str, dict] = {"data_parallel": {}, "lb": {}}
     for name, value in flags.items():
@@ -124,8 +122,9 @@ def parallel_overrides(flags: dict[str, Any]) -> dict[str, dict]:
     servers = sections["lb"].get("api_servers_per_node")
     if servers not in (None, "auto"):
         if not servers.isdigit():
-            fail(f"--api-servers-per-node takes a number or 'auto', got {servers!r}")
-        sections["lb"]["api_servers_per_node"] = int(servers)
+            problems.add(f"--api-servers-per-node takes a number or 'auto', got {servers!r}")
+            servers = None
+        sections["lb"]["api_servers_per_node"] = servers and int(servers)
     return sections
 
 
@@ -134,16 +133,18 @@ def served_names(names: list[str] | None) -> str | list[str] | None:
     return names[0] if names and len(names) == 1 else names or None
 
 
-def json_flag(name: str, text: str | None) -> dict | None:
-    """A flag whose value is a JSON object (vLLM's --kv-events-config), or None if not given."""
+def json_flag(name: str, text: str | None, problems: Problems) -> dict | None:
+    """A flag whose value is a JSON object (vLLM's --kv-events-config), or None if not given (or wrong)."""
     if text is None:
         return None
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
-        fail(f"{name} is not valid JSON ({exc}); give an object, e.g. '{{\"enable_kv_cache_events\": true}}'")
+        problems.add(f"{name} is not valid JSON ({exc}); give an object, e.g. '{{\"enable_kv_cache_events\": true}}'")
+        return None
     if not isinstance(value, dict):
-        fail(f"{name} must be a JSON object, got {text!r}")
+        problems.add(f"{name} must be a JSON object, got {text!r}")
+        return None
     return value
 
 
@@ -151,7 +152,8 @@ def json_flag(name: str, text: str | None) -> dict | None:
 _LORA_FLAG_NAMES = {"load": "--lora-load", "allowed_roots": "--lora-allowed-root"}
 
 
-def lora_flags(enable: bool, modules: list[str] | None, **limits: int | str | list[str] | None) -> dict | None:
+def lora_flags(enable: bool, modules: list[str] | None, problems: Problems,
+               **limits: int | str | list[str] | None) -> dict | None:
     """engine.lora from --enable-lora, --lora-modules (name=path or vLLM's JSON form), the
     --max-lora* limits, --lora-load and --lora-allowed-root; None when none is given (the config
     file decides)."""
@@ -160,47 +162,83 @@ def lora_flags(enable: bool, modules: list[str] | None, **limits: int | str | li
         if modules or given:
             flags = ["--lora-modules"] * bool(modules) + [
                 _LORA_FLAG_NAMES.get(key, f"--{key.replace('_', '-')}") for key in given]
-            fail(f"{', '.join(flags)} needs --enable-lora; add it")
+            problems.add(f"{', '.join(flags)} needs --enable-lora; add it")
         return None
     entries = []
     for text in modules or []:
         if text.lstrip().startswith("{"):
-            entry = json_flag("--lora-modules", text)
+            entry = json_flag("--lora-modules", text, problems)
         else:
             name, equals, path = text.partition("=")
-            if not equals or not name or not path:
-                fail(f"--lora-modules {text!r}: write name=path (or JSON with name, path, base_model_name)")
-            entry = {"name": name, "path": path}
-        entries.append(entry)
+            entry = {"name": name, "path": path} if equals and name and path else None
+            if entry is None:
+                problems.add(f"--lora-modules {text!r}: write name=path (or JSON with name, path, base_model_name)")
+        if entry is not None:
+            entries.append(entry)
     return {"modules": entries, **given}
 
 
-def build_config(config: Path | None, model: str | None, overrides: dict[str, dict]) -> Config:
+def build_config(config: Path | None, model: str | None, overrides: dict[str, dict],
+                 problems: Problems | None = None, pin_hub: bool = True) -> Config | None:
     """A Config from an optional YAML file, with ``--model`` and other flags on top.
 
-    ``overrides`` maps a section name to the flag values for it; None means not given.
+    ``overrides`` maps a section name to the flag values for it; None means not given. The file
+    and the flags are validated together, so every mistake in either is listed at once: added
+    to ``problems`` (and None returned), or without it refused at once. A hub ID as model is
+    taken from the local Hugging Face cache here (``pin_hub=False``: left for where it runs).
     """
+    gathered = Problems() if problems is None else problems
+    cfg = None
+    with gathered.gather():
+        cfg = _merged_config(config, model, overrides, pin_hub)
+    if problems is None:
+        gathered.raise_any()
+    return cfg
+
+
+def _merged_config(config: Path | None, model: str | None, overrides: dict[str, dict], pin_hub: bool) -> Config:
     try:
-        data = load_config(config).model_dump(exclude_unset=True) if config else {}
+        data = read_config_file(config) if config else {}
     except ConfigError as exc:
         fail(str(exc))
-    sections = {name: dict(data.get(name, {})) for name in overrides}
-    sections.setdefault("engine", dict(data.get("engine", {})))
+    if not isinstance(data, dict):
+        fail(f"{config}: expected a mapping at the top level, got {type(data).__name__}")
+    # A section that is not a mapping takes no flags; validation names it.
+    sections = {name: dict(data.get(name) or {}) for name in {"engine", *overrides}
+                if isinstance(data.get(name) or {}, dict)}
+    engine = sections.get("engine", {})
     if model is not None:
-        sections["engine"]["model"] = model
-        sections["engine"].pop("make_if_missing", None)
+        engine["model"] = model
+        engine.pop("make_if_missing", None)
     for name, values in overrides.items():
-        sections[name].update({k: v for k, v in values.items() if v is not None})
-    if "model" not in sections["engine"]:
+        if name in sections:
+            sections[name].update({k: v for k, v in values.items() if v is not None})
+    if "engine" in sections and "model" not in engine:
         fail("no model given: pass --model DIR|FILE.gguf or --config FILE.yaml (try configs/local.yaml)")
     try:
-        return parse_config({**data, **sections}, str(config or "flags"))
+        cfg = parse_config({**data, **sections}, str(config or "flags"))
+        return pinned_hub_model(cfg) if pin_hub else cfg
     except ConfigError as exc:
+        raise Refusal(exc.problems) from None
+
+
+def pinned_hub_model(cfg: Config) -> Config:
+    """``cfg`` with a hub ID as model taken from the local Hugging Face cache, once for the whole process tree."""
+    from hybridlb.checkpoint.hub import pin_hub_model
+    from hybridlb.checkpoint.path import CheckpointError
+
+    try:
+        cfg, note = pin_hub_model(cfg)
+    except CheckpointError as exc:
         fail(str(exc))
+    if note:
+        typer.echo(f"note: {note}", err=True)
+    return cfg
 
 
-def plan_of(cfg: Config):
-    """The cluster plan and this node's part of it, or a clean exit listing every problem."""
+def plan_of(cfg: Config, problems: Problems | None = None):
+    """The cluster plan and this node's part of it; every problem with it is added to ``problems``
+    (then both are None), or without it refused at once."""
     from hybridlb.checkpoint.spec import CheckpointError, load_spec
     from hybridlb.plan import PlanError, plan_cluster
 
@@ -211,7 +249,10 @@ def plan_of(cfg: Config):
     try:
         plan = plan_cluster(cfg, is_moe)
     except PlanError as exc:
-        fail(str(exc))
+        if problems is None:
+            raise Refusal(exc.problems) from None
+        problems.extend(exc.problems)
+        return None, None
     start = cfg.data_parallel.rank if cfg.data_parallel.rank is not None else cfg.data_parallel.start_rank
     node = next((n for n in plan.nodes if n.start_rank == start), plan.nodes[0])
     return plan, node

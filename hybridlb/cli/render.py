@@ -37,27 +37,35 @@ def render_k8s(
         help="The label (KEY=VALUE) of the scheduler's pods that read KV events, the only ones the NetworkPolicy "
              "lets reach the KV-event ports (default inferencepool=hybridlb-<ray.name>-epp: how llm-d's "
              "inferencepool chart labels the endpoint picker the InferencePool names).")] = None,
+    inference_pool: Annotated[bool, typer.Option(
+        help="With --lb multi-port: the InferencePool over every rank port. Leave it out when you install llm-d's "
+             "endpoint picker with the inferencepool Helm chart, which makes its own (docs/kubernetes.md).")] = True,
     token_secret: Annotated[bool, typer.Option(
         help="A Secret with the cluster token the pods read: data_parallel.cluster_token, else a random one drawn "
              "now (each render draws a new one). Without it anyone who reaches the rpc port can join.")] = True,
     out: Annotated[Path | None, typer.Option(help="Write here instead of stdout.")] = None,
 ):
     """A LeaderWorkerSet manifest: one pod per node running `hybridlb serve`, a Service per node
-    and one across them, the cluster token's Secret and a NetworkPolicy. Without --model-pvc /
-    --model-host-path the model must be inside the image."""
-    from hybridlb.launch.k8s import PodOptions, RenderError, memory_note, render, whole_cluster
+    and one across them, the cluster token's Secret and a NetworkPolicy; with --lb multi-port,
+    llm-d's shape (a port per rank, an InferencePool, a PodMonitor). Without --model-pvc /
+    --model-host-path the model must be inside the image. What it assumes is printed and heads
+    the manifest (docs/kubernetes.md)."""
+    from hybridlb.launch.k8s import PodOptions, RenderError, render, whole_cluster
+    from hybridlb.launch.k8s_notes import header, notes
 
     try:
         overrides = {"lb": {"mode": lb.replace("-", "_")}} if lb else {}
-        cfg = whole_cluster(build_config(config, None, overrides))
+        cfg = whole_cluster(build_config(config, None, overrides, pin_hub=False))  # each pod reads its own cache
         plan, _ = plan_of(cfg)
         options = PodOptions(image=image, model_pvc=model_pvc, model_host_path=model_host_path,
                              memory_gib=memory_gib, shm_gib=shm_gib, network_policy=network_policy,
-                             token_secret=token_secret, kv_events_from=kv_events_from)
-        manifest = render(cfg, plan, options)
+                             token_secret=token_secret, kv_events_from=kv_events_from,
+                             inference_pool=inference_pool)
+        said = notes(cfg, plan, options)
+        manifest = header(said) + render(cfg, plan, options)
     except RenderError as exc:
         fail(str(exc))
-    if (note := memory_note(cfg, options)) is not None:
+    for note in said:
         typer.secho(f"note: {note}", err=True)
     if out is None:
         typer.echo(manifest, nl=False)

@@ -13,8 +13,6 @@ from hybridlb.cli.options import (
     MODEL_HELP,
     PARALLEL,
     build_config,
-    check_model_options,
-    ensure_checkpoint,
     fail,
     json_flag,
     lora_flags,
@@ -25,6 +23,8 @@ from hybridlb.cli.options import (
     vllm_option,
     with_options,
 )
+from hybridlb.cli.problems import Problems, given_on_the_command_line
+from hybridlb.cli.start_checks import check_start
 from hybridlb.config import LoRAConfig
 
 SERVE_HELP = (
@@ -32,14 +32,20 @@ SERVE_HELP = (
     "vLLM's spelling works too, e.g. `hybridlb serve MODEL -dp 4 -dpl 2 --data-parallel-hybrid-lb --max_model_len 32k "
     "--dtype half`: the short forms -dp -dpl -dpr -dpn -dpa -dpp -dph -dpe -ep, underscores, "
     "--data-parallel-hybrid-lb / --data-parallel-external-lb for --lb-mode, --api-server-count, k/K length suffixes, "
-    "several --served-model-name names, VLLM_API_KEY. A vLLM flag hybridlb does not implement is an error saying "
-    "what to do instead."
+    "several --served-model-name names, VLLM_API_KEY. A vLLM flag that changes nothing here is accepted with a note; "
+    "one whose meaning hybridlb would change is an error saying what to do instead. Every problem of a command line "
+    "(flags, config, model options, topology, ports in use) is listed at once, by --dry-run too."
 )
 
 
 @with_options(PARALLEL, into="parallel")
 def serve(
+    context: typer.Context,
     model: Annotated[str | None, vllm_option(help=MODEL_HELP)] = None,
+    revision: Annotated[str | None, vllm_option(
+        help="Hub model: the branch, tag or commit to take from the local Hugging Face cache (default main).")] = None,
+    tokenizer: Annotated[str | None, vllm_option(
+        help="Accepted when it names the model's own checkpoint (the tokenizer is always the model's).")] = None,
     config: Annotated[Path | None, typer.Option(help="YAML config; flags override it.")] = None,
     host: Annotated[str | None, vllm_option(help="HTTP interface (default 127.0.0.1).")] = None,
     port: Annotated[int | None, vllm_option(help="HTTP port (default 8000).")] = None,
@@ -58,13 +64,18 @@ def serve(
         help="Chat template file (or text) replacing the model's own.")] = None,
     generation_config: Annotated[str | None, vllm_option(
         help="Sampling defaults: auto (the model's generation_config.json), vllm (none) or a directory.")] = None,
-    max_model_len: Annotated[int | None, vllm_option()] = None,
-    max_num_seqs: Annotated[int | None, vllm_option()] = None,
-    max_num_batched_tokens: Annotated[int | None, vllm_option()] = None,
-    kv_cache_gib: Annotated[float | None, typer.Option()] = None,
+    max_model_len: Annotated[int | None, vllm_option(
+        help="Longest prompt plus output, in tokens: 4096, 32k (32,000), 32K (32,768) (default: the model's).")] = None,
+    max_num_seqs: Annotated[int | None, vllm_option(help="Most requests in one batch per engine (default 64).")] = None,
+    max_num_batched_tokens: Annotated[int | None, vllm_option(
+        help="Token budget of one step; longer prompts prefill in chunks (default 1024 on CPU, 512 on AMX in "
+             "bfloat16, 8192 on CUDA).")] = None,
+    kv_cache_gib: Annotated[float | None, typer.Option(
+        help="Memory for each engine's KV cache, in GiB (default 0.5; on CUDA, --gpu-memory-utilization sizes it "
+             "instead when given).")] = None,
     gpu_memory_utilization: Annotated[float | None, vllm_option(
         help="CUDA: size the KV cache to fill this fraction of GPU memory (instead of --kv-cache-gib).")] = None,
-    block_size: Annotated[int | None, vllm_option()] = None,
+    block_size: Annotated[int | None, vllm_option(help="Tokens per KV-cache block (default 16).")] = None,
     enable_prefix_caching: Annotated[bool | None, vllm_option(
         "--enable-prefix-caching/--no-enable-prefix-caching",
         help="Reuse cached prompt prefixes (default on).")] = None,
@@ -78,6 +89,9 @@ def serve(
         help="hermes, llama3_json, mistral or pythonic: how tool calls are read from the output.")] = None,
     reasoning_parser: Annotated[str | None, vllm_option(
         help="deepseek_r1 or qwen3: <think>...</think> becomes reasoning_content.")] = None,
+    uvicorn_log_level: Annotated[str | None, vllm_option(
+        help="The HTTP server's own log level (api.log_level, default warning); hybridlb's log lines follow "
+             "HYBRIDLB_LOG_LEVEL (default INFO).")] = None,
     migration_limit: Annotated[int | None, typer.Option(
         help="Dense models: moves of one request to a sibling engine when its engine dies mid-stream "
              "(default 3, 0: off).")] = None,
@@ -105,7 +119,7 @@ def serve(
              "registered (start-up or /v1/load_lora_adapter).")] = None,
     lora_allowed_root: Annotated[list[str] | None, typer.Option(
         help=LoRAConfig.model_fields["allowed_roots"].description + " Repeat it for several.")] = None,
-    seed: Annotated[int | None, vllm_option()] = None,
+    seed: Annotated[int | None, vllm_option(help="Sampling seed of requests that give none (default 0).")] = None,
     enforce_eager: Annotated[bool, vllm_option(
         "--enforce-eager", help="Run every step layer by layer from Python, not decode steps as the recorded "
         "decode program (for debugging and profiling).")] = False,
@@ -133,49 +147,52 @@ def serve(
     parallel: dict[str, Any] | None = None,
 ):
     """Serve the OpenAI API from this node: its engines and API servers, no Ray (see SERVE_HELP)."""
-    from hybridlb.launch.serve_node import serve as serve_node
-
     with stopped_before_start():
-        layout = parallel_overrides(parallel)
+        problems = given_on_the_command_line(context)  # the vLLM flags hybridlb refused, listed with the rest
+        layout = parallel_overrides(parallel, problems)
         layout["data_parallel"].update(cluster_token=cluster_token, restart_policy=restart_policy)
         layout["lb"]["policy"] = lb_policy
         cfg = build_config(config, model, {
-            "engine": dict(max_model_len=max_model_len, max_num_seqs=max_num_seqs, device=device, dtype=dtype,
+            "engine": dict(revision=revision, tokenizer=tokenizer,
+                           max_model_len=max_model_len, max_num_seqs=max_num_seqs, device=device, dtype=dtype,
                            quantization=quantization, max_queued_requests=max_queued_requests,
                            max_num_batched_tokens=max_num_batched_tokens, kv_cache_gib=kv_cache_gib,
                            gpu_memory_utilization=gpu_memory_utilization,
                            block_size=block_size, seed=seed, torch_threads=torch_threads,
                            enforce_eager=enforce_eager or None,
                            share_cores=share_cores, prefix_caching=enable_prefix_caching,
-                           kv_events=json_flag("--kv-events-config", kv_events_config),
-                           structured_outputs=json_flag("--structured-outputs-config", structured_outputs_config),
-                           speculative=json_flag("--speculative-config", speculative_config),
-                           lora=lora_flags(enable_lora, lora_modules, max_loras=max_loras, max_lora_rank=max_lora_rank,
-                                           max_cpu_loras=max_cpu_loras, load=lora_load,
+                           kv_events=json_flag("--kv-events-config", kv_events_config, problems),
+                           structured_outputs=json_flag("--structured-outputs-config", structured_outputs_config,
+                                                        problems),
+                           speculative=json_flag("--speculative-config", speculative_config, problems),
+                           lora=lora_flags(enable_lora, lora_modules, problems, max_loras=max_loras,
+                                           max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras, load=lora_load,
                                            allowed_roots=lora_allowed_root),
                            expert_parallel=enable_expert_parallel, async_dp_coordination=async_dp_coordination,
-                           dp_timeout_s=dp_timeout, simulate=_simulate_flags(simulate_step_ms, simulate_per_token_ms)),
+                           dp_timeout_s=dp_timeout,
+                           simulate=_simulate_flags(simulate_step_ms, simulate_per_token_ms, problems)),
             "api": dict(host=host, port=port, served_model_name=served_names(served_model_name), api_key=api_key,
                         max_concurrent_requests=max_concurrent_requests, request_timeout_s=request_timeout,
                         chat_template=chat_template, generation_config=generation_config,
                         enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
-                        reasoning_parser=reasoning_parser, migration_limit=migration_limit),
+                        reasoning_parser=reasoning_parser, migration_limit=migration_limit,
+                        log_level=uvicorn_log_level),
             **layout,
-        })
-
-        cfg = _in_a_pod(cfg)
-        ensure_checkpoint(cfg.engine)
-        check_model_options(cfg)
-        if cfg.engine.simulate is not None:
-            typer.secho(f"warning: SIMULATED engines ({cfg.engine.simulate.step_ms:g} ms per step, no model "
-                        "loaded): for control-plane benchmarks only", fg=typer.colors.YELLOW, err=True)
-        plan, node = plan_of(cfg)
+        }, problems)
+        plan = node = None
+        if cfg is not None:
+            cfg = _in_a_pod(cfg)
+            plan, node = check_start(cfg, problems, dry_run=dry_run)  # the dry run's checks are the start's
+        problems.raise_any()
         if dry_run:
             from hybridlb.plan import format_plan
 
             typer.echo(f"{format_plan(plan)}\nthis node: {node.summary()}; {_engine_summary(cfg)}")
             raise typer.Exit(0)
-        code = serve_node(cfg, plan, node)
+        sockets = _listening(node)
+        from hybridlb.launch.serve_node import serve as serve_node  # imported once the checks passed: ~1 s
+
+        code = serve_node(cfg, plan, node, sockets)
     raise typer.Exit(code)
 
 
@@ -191,22 +208,35 @@ def plan(
     """Print the rank map (nodes → ranks → API servers → ports), or every problem with its fix."""
     from hybridlb.plan import format_plan
 
+    problems = Problems()
     cfg = build_config(config, model or ("(none)" if config is None else None), {
         "engine": dict(expert_parallel=enable_expert_parallel),
         "api": dict(host=host, port=port),
-        **parallel_overrides(parallel),
-    })
-    cluster, _ = plan_of(cfg)
+        **parallel_overrides(parallel, problems),
+    }, problems)
+    cluster, _ = plan_of(cfg, problems) if cfg is not None else (None, None)
+    problems.raise_any()
     typer.echo(format_plan(cluster))
 
 
-def _simulate_flags(step_ms: float | None, per_token_ms: float | None) -> dict | None:
+def _simulate_flags(step_ms: float | None, per_token_ms: float | None, problems: Problems) -> dict | None:
     """engine.simulate from the flags (None: not given, the config file decides)."""
     if step_ms is None:
         if per_token_ms is not None:
-            fail("--simulate-per-token-ms needs --simulate-step-ms")
+            problems.add("--simulate-per-token-ms needs --simulate-step-ms")
         return None
     return {"step_ms": step_ms, "per_token_ms": per_token_ms or 0.0}
+
+
+def _listening(node) -> dict:
+    """This node's API server sockets, listening before any engine loads (one line if a port was
+    taken since the check: ``launch.ports``)."""
+    from hybridlb.launch.ports import PortTaken, bind_api_servers
+
+    try:
+        return bind_api_servers(node)
+    except PortTaken as exc:
+        fail(str(exc))
 
 
 def _engine_summary(cfg) -> str:

@@ -32,12 +32,13 @@ from hybridlb.config.engine import (
     check_kv_cache_fits,
     model_own_name,
 )
+from hybridlb.config.explain import problem_lines
 
 __all__ = ["MODEL_ALIASES", "ApiConfig", "Config", "ConfigError", "DataParallelConfig", "EngineConfig",
            "KVEventsConfig", "LoRAConfig", "LoRAModuleConfig",
            "LoadBalancingConfig", "MakeModelConfig", "NodeConfig", "RayConfig", "SimulateConfig",
            "SpeculativeConfig", "StructuredOutputsConfig", "check_kv_cache_fits", "load_config", "model_own_name",
-           "parse_config"]
+           "parse_config", "read_config_file"]
 
 
 class Config(_Section):
@@ -65,17 +66,6 @@ class Config(_Section):
         return self.served_model_names[0]
 
 
-def _problem_lines(error: ValidationError) -> str:
-    lines = []
-    for item in error.errors():
-        where = ".".join(str(part) for part in item["loc"]) or "(top level)"
-        message = item["msg"]
-        if item["type"] == "extra_forbidden":
-            message = "unknown key; remove it or check its spelling"
-        lines.append(f"  {where}: {message}")
-    return "\n".join(lines)
-
-
 def parse_config(data: object, source: str = "config") -> Config:
     """Validate a mapping into a Config, or raise ConfigError listing every problem."""
     if not isinstance(data, dict):
@@ -83,18 +73,23 @@ def parse_config(data: object, source: str = "config") -> Config:
     try:
         return Config.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(f"{source} is invalid:\n{_problem_lines(exc)}") from None
+        problems = problem_lines(exc, Config)
+        raise ConfigError(f"{source} is invalid:\n" + "\n".join(f"  {p}" for p in problems), problems) from None
 
 
-def load_config(path: str | Path) -> Config:
-    """Load and validate a YAML config file."""
+def read_config_file(path: str | Path) -> object:
+    """A YAML config file's contents, not validated yet (the CLI puts its flags on top first)."""
     path = Path(path)
     try:
         text = path.read_text()
     except OSError as exc:
         raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
     try:
-        data = yaml.safe_load(text)
+        return yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path} is not valid YAML: {exc}") from None
-    return parse_config(data, str(path))
+
+
+def load_config(path: str | Path) -> Config:
+    """Load and validate a YAML config file."""
+    return parse_config(read_config_file(path), str(path))

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from hybridlb.config.base import _Section
+from hybridlb.config.base import _Section, raise_all
 
 
 class ApiConfig(_Section):
@@ -54,7 +54,9 @@ class ApiConfig(_Section):
         "without a gap (a greedy or seeded request gives the text it would have given). 0: fail such "
         "requests. MoE lockstep groups always fail them (the group's collectives broke)."
     )
-    log_level: Literal["debug", "info", "warning", "error"] = Field("warning", description="HTTP server log level.")
+    log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = Field(
+        "warning", description="The HTTP server's (uvicorn's) own log level: vLLM's --uvicorn-log-level. hybridlb's "
+        "own log lines follow the HYBRIDLB_LOG_LEVEL environment variable (default INFO).")
     chat_template: str | None = Field(
         None, description="Chat template replacing the checkpoint's own: a .jinja file or the template text."
     )
@@ -76,14 +78,16 @@ class ApiConfig(_Section):
     )
 
     @model_validator(mode="after")
-    def _check_tools(self) -> ApiConfig:
+    def _check_together(self) -> ApiConfig:
+        problems = []
         if 0 < self.max_body_bytes_in_flight < self.max_body_bytes:
-            raise ValueError(f"api.max_body_bytes_in_flight ({self.max_body_bytes_in_flight}) is below "
-                             f"api.max_body_bytes ({self.max_body_bytes}): the largest body could never be taken; "
-                             "raise it")
+            problems.append(f"api.max_body_bytes_in_flight ({self.max_body_bytes_in_flight}) is below "
+                            f"api.max_body_bytes ({self.max_body_bytes}): the largest body could never be taken; "
+                            "raise it")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
-            raise ValueError("api.enable_auto_tool_choice needs api.tool_call_parser (hermes, llama3_json, mistral "
-                             "or pythonic)")
+            problems.append("api.enable_auto_tool_choice needs api.tool_call_parser (hermes, llama3_json, mistral "
+                            "or pythonic)")
+        raise_all(problems)
         return self
 
 

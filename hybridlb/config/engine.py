@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from hybridlb.config.base import _Section
+from hybridlb.config.base import _Section, raise_all
 from hybridlb.cpu_features import has_amx
 
 # Short names for models an installed package ships (nothing is downloaded): the model
@@ -212,13 +212,15 @@ class LoRAConfig(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> LoRAConfig:
+        problems = []
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
-            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) is below max_loras ({self.max_loras}); raise it "
-                             "or leave it unset")
+            problems.append(f"max_cpu_loras ({self.max_cpu_loras}) is below max_loras ({self.max_loras}); raise it "
+                            "or leave it unset")
         names = [m.name for m in self.modules]
         if len(set(names)) < len(names):
-            raise ValueError(f"lora modules name {sorted({n for n in names if names.count(n) > 1})} twice; give "
-                             "each adapter its own name")
+            problems.append(f"lora modules name {sorted({n for n in names if names.count(n) > 1})} twice; give "
+                            "each adapter its own name")
+        raise_all(problems)
         return self
 
     @property
@@ -237,7 +239,16 @@ class EngineConfig(_Section):
 
 
     model: str = Field(description="The checkpoint (never downloaded): a Hugging Face directory, a .gguf file "
-                       "(or a directory holding one), or package:DIST/PATH for a file inside an installed package.")
+                       "(or a directory holding one), package:DIST/PATH for a file inside an installed package, or a "
+                       "Hugging Face hub ID (org/name) found in the local Hugging Face cache (HF_HUB_CACHE, HF_HOME).")
+    revision: str | None = Field(
+        None, description="With a hub ID as model: the branch, tag or commit hash whose snapshot to take from the "
+        "local Hugging Face cache (vLLM's --revision). Default: main. No effect on a local path."
+    )
+    tokenizer: str | None = Field(
+        None, description="vLLM's --tokenizer, accepted when it names the model's own checkpoint (a path or hub ID "
+        "resolving to the same directory): the tokenizer is always read from the checkpoint served."
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Weight, activation and KV-cache dtype; auto is bfloat16 on CUDA and on CPUs "
         "with native bfloat16 matmuls (AMX / AVX512-BF16, as vLLM does), else float32."
@@ -340,38 +351,30 @@ class EngineConfig(_Section):
         return data
 
     @model_validator(mode="after")
-    def _check_kv_events(self) -> EngineConfig:
+    def _check_together(self) -> EngineConfig:
+        """The checks across fields, every one reported at once."""
+        problems = []
         if self.kv_events is not None and self.kv_events.enabled and not self.prefix_caching:
-            raise ValueError("engine.kv_events reports prefix-cache blocks, but engine.prefix_caching is false; "
-                             "turn prefix caching on or drop kv_events")
-        return self
-
-    @model_validator(mode="after")
-    def _check_quantization(self) -> EngineConfig:
-        if self.quantization is None:
-            return self
-        if self.device != "cpu":
-            raise ValueError(f"engine.quantization {self.quantization} runs torch's CPU kernels; use device: cpu "
-                             "or drop quantization")
-        if self.dtype == "float16":
-            raise ValueError("engine.quantization needs dtype bfloat16, float32 or auto (torch's CPU weight-only "
-                             "kernels take no float16)")
-        return self
-
-    @model_validator(mode="after")
-    def _check_simulation(self) -> EngineConfig:
+            problems.append("engine.kv_events reports prefix-cache blocks, but engine.prefix_caching is false; "
+                            "turn prefix caching on or drop kv_events")
+        if self.quantization is not None and self.device != "cpu":
+            problems.append(f"engine.quantization {self.quantization} runs torch's CPU kernels; use device: cpu "
+                            "or drop quantization")
+        if self.quantization is not None and self.dtype == "float16":
+            problems.append("engine.quantization needs dtype bfloat16, float32 or auto (torch's CPU weight-only "
+                            "kernels take no float16)")
         if self.simulate is not None and self.expert_parallel:
-            raise ValueError("engine.simulate cannot shard experts (expert_parallel); simulate dense models only")
+            problems.append("engine.simulate cannot shard experts (expert_parallel); simulate dense models only")
         if self.simulate is not None and self.speculative is not None:
-            raise ValueError("engine.simulate has no model to check drafts (speculative); drop one of them")
+            problems.append("engine.simulate has no model to check drafts (speculative); drop one of them")
         if self.simulate is not None and self.lora is not None:
-            raise ValueError("engine.simulate has no model to adapt (lora); drop one of them")
-        return self
-
-    @model_validator(mode="after")
-    def _check_cache_fits_a_sequence(self) -> EngineConfig:
+            problems.append("engine.simulate has no model to adapt (lora); drop one of them")
         if self.num_kv_blocks is not None and self.max_model_len is not None:
-            check_kv_cache_fits(self.num_kv_blocks, self.block_size, self.max_model_len)
+            try:
+                check_kv_cache_fits(self.num_kv_blocks, self.block_size, self.max_model_len)
+            except ValueError as exc:
+                problems.append(str(exc))
+        raise_all(problems)
         return self
 
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import yaml
 
+from hybridlb.checkpoint.hub import names_hub_model
 from hybridlb.config import Config, NodeConfig
 from hybridlb.plan import ClusterPlan
 
@@ -54,6 +55,7 @@ ENDPOINT_PICKER_LABEL = "inferencepool"
 # The topic llm-d's KV-cache indexer keys a pod's events by: its IP, the port of the rank (filled in
 # per engine), the model.
 LLM_D_KV_TOPIC = "kv@${POD_IP}:{port}@{model}"
+HF_CACHE_MOUNT = "/hf-cache"  # a hub ID as model: the model volume holds a Hugging Face cache, mounted here
 
 
 class RenderError(ValueError):
@@ -73,6 +75,7 @@ class PodOptions:
     network_policy: bool = True  # a NetworkPolicy: the cluster ports open to the group's own pods only
     token_secret: bool = True  # a Secret with the cluster token: the config's, else drawn at render time
     kv_events_from: str | None = None  # KEY=VALUE: the scheduler's pods (default: the endpoint picker's label)
+    inference_pool: bool = True  # multi-port: render the InferencePool (False: the picker's Helm chart makes it)
 
 
 class _NoAliases(yaml.SafeDumper):
@@ -155,7 +158,8 @@ def _container(config: Config, plan: ClusterPlan, size_local: int, headless: boo
               {"name": "dshm", "mountPath": "/dev/shm"},
               {"name": "scratch", "mountPath": "/tmp"}]  # the runtime directory and the kernels' build cache
     if options.model_pvc or options.model_host_path:
-        mounts.append({"name": "model", "mountPath": _model_mount(config.engine.model), "readOnly": True})
+        mounts.append({"name": "model", "mountPath": model_mount(config.engine.model), "readOnly": True})
+    hub = names_hub_model(config.engine.model)
     container = {
         "name": "hybridlb", "image": options.image or f"hybridlb:{config.engine.device}",
         "command": ["sh", "-c", serve_command(plan, size_local, headless)],
@@ -165,6 +169,8 @@ def _container(config: Config, plan: ClusterPlan, size_local: int, headless: boo
                             "capabilities": {"drop": ["ALL"]}},
     }
     env = [{"name": "XDG_CACHE_HOME", "value": "/tmp/cache"}]  # the root filesystem is read-only
+    if hub:  # the pod resolves the hub ID in the volume's cache, never downloading
+        env += [{"name": "HF_HUB_OFFLINE", "value": "1"}, {"name": "HF_HUB_CACHE", "value": HF_CACHE_MOUNT}]
     if config.api.api_key:
         env.append({"name": "HYBRIDLB_API_KEY",
                     "valueFrom": {"secretKeyRef": {"name": f"{name}-api-key", "key": "api_key"}}})
@@ -202,8 +208,11 @@ def _mebibytes(gib: float) -> str:
     return f"{math.ceil(gib * 1024)}Mi"
 
 
-def _model_mount(model: str) -> str:
-    """Where the model volume goes: the checkpoint directory, or a GGUF file's directory."""
+def model_mount(model: str) -> str:
+    """Where the model volume goes: the checkpoint directory, a GGUF file's directory, or for a
+    hub ID the Hugging Face cache's (HF_HUB_CACHE)."""
+    if names_hub_model(model):
+        return HF_CACHE_MOUNT
     return posixpath.dirname(model) if model.endswith(".gguf") else model
 
 
@@ -231,6 +240,11 @@ def _pod(config: Config, plan: ClusterPlan, name: str, role: str, headless: bool
     }
 
 
+def cluster_name(config: Config) -> str:
+    """What every object of the manifest is named after."""
+    return f"hybridlb-{config.ray.name}"
+
+
 def render(config: Config, plan: ClusterPlan, options: PodOptions = PodOptions()) -> str:
     """The manifest: ConfigMap, Secrets (the cluster token, an API key), LeaderWorkerSet, one
     Service per serving node and one across them, llm-d's objects (multi-port), NetworkPolicy."""
@@ -243,8 +257,11 @@ def render(config: Config, plan: ClusterPlan, options: PodOptions = PodOptions()
         raise RenderError("the non-head nodes must all be headless or all serve HTTP")
     if options.model_pvc and options.model_host_path:
         raise RenderError("the model comes from one volume: pass --model-pvc or --model-host-path, not both")
+    if names_hub_model(config.engine.model) and not (options.model_pvc or options.model_host_path):
+        raise RenderError(f"model {config.engine.model} is a hub ID and pods never download: pass --model-pvc CLAIM "
+                          "or --model-host-path DIR holding a Hugging Face cache with it, or a path in the image")
     _check_adapters_on_the_model_volume(config, options)
-    name = f"hybridlb-{config.ray.name}"
+    name = cluster_name(config)
     shared = config.model_dump(mode="json", exclude_unset=True, exclude={"ray"})
     dp = shared.setdefault("data_parallel", {})
     for per_node in ("nodes", "start_rank", "size_local", "headless", "node_address", "rank", "address",
@@ -268,7 +285,7 @@ def render(config: Config, plan: ClusterPlan, options: PodOptions = PodOptions()
              "size": len(plan.nodes), "restartPolicy": "RecreateGroupOnPodRestart",
              "leaderTemplate": _pod(config, plan, name, "leader", plan.nodes[0].headless, options),
              "workerTemplate": _pod(config, plan, name, "worker", worker_is_headless, options)}}})
-    http = [{"name": name_, "port": port, "targetPort": port} for name_, port in _serving_ports(config, plan)]
+    http = [{"name": name_, "port": port, "targetPort": port} for name_, port in serving_ports(config, plan)]
     for node in plan.nodes:
         if node.headless:
             continue
@@ -281,7 +298,7 @@ def render(config: Config, plan: ClusterPlan, options: PodOptions = PodOptions()
         "spec": {"selector": {LWS_NAME_LABEL: name, SERVING_LABELS[0]: "true"}, "ports": http},
     })
     if plan.mode == "multi_port":
-        documents += _llm_d_objects(config, plan, name)
+        documents += _llm_d_objects(config, plan, name, options.inference_pool)
     if options.network_policy:
         documents.append(_network_policy(config, plan, name, options))
     return yaml.dump_all(documents, Dumper=_NoAliases, sort_keys=False)
@@ -292,7 +309,7 @@ def _check_adapters_on_the_model_volume(config: Config, options: PodOptions) -> 
     lora = config.engine.lora
     if lora is None or not (options.model_pvc or options.model_host_path):
         return
-    mount = _model_mount(config.engine.model).rstrip("/") + "/"
+    mount = model_mount(config.engine.model).rstrip("/") + "/"
     outside = [m.name for m in lora.modules if not posixpath.normpath(m.path).startswith(mount)]
     if outside:
         raise RenderError(f"LoRA adapters {', '.join(outside)} lie outside the model volume, which pods mount at "
@@ -315,7 +332,7 @@ def _network_policy(config: Config, plan: ClusterPlan, name: str, options: PodOp
     """Ingress to the group's pods: the HTTP ports (and the supervisor's) from anywhere, the
     KV-event ports (prompt token ids) from the scheduler's pods only, every other port
     (handshake, coordinator, engines, rendezvous) from the group's own pods only."""
-    open_ports = [{"protocol": "TCP", "port": port} for _, port in _serving_ports(config, plan)]
+    open_ports = [{"protocol": "TCP", "port": port} for _, port in serving_ports(config, plan)]
     if plan.mode == "multi_port":
         open_ports.append({"protocol": "TCP", "port": config.lb.supervisor_port})
     group = {"podSelector": {"matchLabels": {LWS_NAME_LABEL: name}}}
@@ -346,7 +363,7 @@ def _publishes_kv_events(config: Config) -> bool:
     return config.engine.kv_events is not None and config.engine.kv_events.enabled
 
 
-def _serving_ports(config: Config, plan: ClusterPlan) -> list[tuple[str, int]]:
+def serving_ports(config: Config, plan: ClusterPlan) -> list[tuple[str, int]]:
     """(name, port) of what a serving pod answers HTTP on: one port, or one per rank (multi-port)."""
     port = config.api.port
     if plan.mode == "multi_port":
@@ -354,18 +371,19 @@ def _serving_ports(config: Config, plan: ClusterPlan) -> list[tuple[str, int]]:
     return [("http", port)]
 
 
-def _llm_d_objects(config: Config, plan: ClusterPlan, name: str) -> list[dict]:
+def _llm_d_objects(config: Config, plan: ClusterPlan, name: str, inference_pool: bool) -> list[dict]:
     """Multi-port, llm-d's shape: an InferencePool whose target ports are every rank's (so the
-    endpoint picker scores each rank), and a PodMonitor scraping /metrics on every rank port."""
-    ports = _serving_ports(config, plan)
+    endpoint picker scores each rank; left out when the picker's chart makes it), and a
+    PodMonitor scraping /metrics on every rank port."""
+    ports = serving_ports(config, plan)
     if len(ports) > MAX_POOL_PORTS:
         raise RenderError(f"an InferencePool lists at most {MAX_POOL_PORTS} target ports, and a pod here serves "
                           f"{len(ports)} ranks; put at most {MAX_POOL_PORTS} ranks on a node")
     selector = {LWS_NAME_LABEL: name, SERVING_LABELS[0]: "true"}
-    return [
-        {"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool", "metadata": {"name": name},
-         "spec": {"selector": {"matchLabels": selector}, "targetPorts": [{"number": port} for _, port in ports],
-                  "endpointPickerRef": {"name": f"{name}-epp", "port": {"number": ENDPOINT_PICKER_PORT}}}},
+    pool = {"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool", "metadata": {"name": name},
+            "spec": {"selector": {"matchLabels": selector}, "targetPorts": [{"number": port} for _, port in ports],
+                     "endpointPickerRef": {"name": f"{name}-epp", "port": {"number": ENDPOINT_PICKER_PORT}}}}
+    return [pool] * inference_pool + [
         {"apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor", "metadata": {"name": name},
          "spec": {"selector": {"matchLabels": selector},
                   "podMetricsEndpoints": [{"port": port_name, "path": "/metrics", "interval": "15s"}

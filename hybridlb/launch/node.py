@@ -81,8 +81,9 @@ class NodeStartError(RuntimeError):
 class Node:
     """The processes of one node and how to start and stop them."""
 
-    def __init__(self, config: Config, plan: ClusterPlan, node: NodePlan):
+    def __init__(self, config: Config, plan: ClusterPlan, node: NodePlan, sockets: dict | None = None):
         self.config, self.plan, self.node = config, plan, node
+        self.sockets = dict(sockets or {})  # API server name → its socket, bound before anything started
         self.runtime_dir = lifecycle.private_dir()  # engine sockets, metrics files; removed at stop
         self.coordinator: multiprocessing.Process | None = None
         self.handshake: HeadHandshake | None = None
@@ -99,11 +100,6 @@ class Node:
         self.stopping = False
         self.exit_reason: str | None = None
         self.restart_anew: str | None = None  # why this node must stop and start again from scratch
-
-    @property
-    def joins_cluster(self) -> bool:
-        """Whether nodes must find each other (else each node runs on its own)."""
-        return self.plan.multi_node and (self.plan.coordinator or self.plan.mode == "internal")
 
     @functools.cached_property
     def address(self) -> str:
@@ -180,7 +176,7 @@ class Node:
                 coordinator_loads=f"{ipc}-loads" if plan.coordinator else None,
                 coordinator_waves=f"{ipc}-waves" if plan.lockstep else None)
         if self.node.is_head:
-            if self.joins_cluster and self.token is None:
+            if self.plan.joins_cluster and self.token is None:
                 # No cluster token: draw one for this run, so that only the nodes the handshake
                 # accepts (they get it in NodeAccepted) can reach the cluster's sockets.
                 self.token = secrets.token_urlsafe(32)
@@ -189,12 +185,12 @@ class Node:
                 self.coordinator_args = (shared.coordinator_stats, shared.coordinator_loads, plan.size,
                                          shared.coordinator_waves, self.token)
                 self._start_coordinator()
-            if self.joins_cluster:
+            if self.plan.joins_cluster:
                 own = registration(self.config, 0, len(self.node.ranks), {})
                 self.handshake = HeadHandshake(self.config, own, shared)
                 self.handshake.start()
             return shared
-        if not self.joins_cluster:
+        if not self.plan.joins_cluster:
             return shared
         self.link = NodeLink(self.config)
         addresses = {rank: self.engine_address(rank) for rank in self.node.ranks}
@@ -255,10 +251,13 @@ class Node:
 
     def _spawn_api(self, index: int, ready=None) -> multiprocessing.Process:
         config, spec, host, port, shared = self.api_args[index]
+        sock = self.sockets.pop(spec.name, None)  # None: a restart, which binds the port again
         process = _spawn.Process(target=run_api_server, name=f"hybridlb:{spec.name}", daemon=True,
-                                 args=(config, spec, host, port, shared, ready))
+                                 args=(config, spec, host, port, shared, ready, sock))
         with lifecycle.spawning():
             process.start()
+        if sock is not None:
+            sock.close()  # the API server holds it now
         return process
 
     # -- run and stop -------------------------------------------------------------------
@@ -319,10 +318,10 @@ class Node:
 
     def _engine_died(self, index: int) -> bool:
         engine = self.engines[index]
-        part = f"engine {engine.rank}"
-        log.error("%s exited with code %s", part, engine.process.exitcode)
+        part, why = f"engine {engine.rank}", f"engine {engine.rank} {lifecycle.reap(engine.process)}"  # reaped now
+        log.error("%s", why)
         restarting = not self.plan.lockstep and self._may_restart(part)
-        self._rank_down(engine.rank, f"{part} exited with code {engine.process.exitcode}", restarting)
+        self._rank_down(engine.rank, why, restarting)
         if self.plan.lockstep:
             if self.config.data_parallel.restart_policy == "restart":
                 self.exit_reason = (f"{part} died and broke the expert-parallel group; exiting so that the "
@@ -335,7 +334,7 @@ class Node:
         return True
 
     def _coordinator_died(self, _: int) -> bool:
-        log.error("the coordinator exited with code %s", self.coordinator.exitcode)
+        log.error("the coordinator %s", lifecycle.reap(self.coordinator))
         if self._may_restart("the coordinator"):
             log.warning("restarting the coordinator")
             self._start_coordinator()
@@ -351,7 +350,7 @@ class Node:
     def _api_died(self, index: int) -> bool:
         process = self.apis[index]
         part = process.name.removeprefix("hybridlb:")
-        why = f"{part} exited with code {process.exitcode}"
+        why = f"{part} {lifecycle.reap(process)}"
         log.error("%s", why)
         restarting = self._may_restart(part)
         supervised = self._rank_down(self.api_args[index][1].engines[0][0], why, restarting)
@@ -394,4 +393,6 @@ class Node:
             self.link.close()
         if self.supervisor is not None:
             self.supervisor.stop()
+        for sock in self.sockets.values():  # never handed over: the start failed before the API servers
+            sock.close()
         shutil.rmtree(self.runtime_dir, ignore_errors=True)

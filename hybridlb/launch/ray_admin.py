@@ -70,6 +70,6 @@ def down(name: str, address: str | None = None, namespace: str = "hybridlb", qui
         group = ray.util.get_placement_group(group_name)
         _remove_runtime_dirs(name, group)
         remove_placement_group(group)
-    if not quiet:
+    if not quiet and (names or groups):  # nothing found: the CLI says so, in one line
         print(f"stopped {len(names)} actors and {len(groups)} placement group(s) of {name!r}")
     return 0 if names or groups else 1

@@ -3,7 +3,10 @@ again from scratch when it must rejoin a restarted head under a new key (``Node.
 
 from __future__ import annotations
 
+import errno
 import logging
+
+import zmq
 
 from hybridlb import lifecycle
 from hybridlb.config import Config
@@ -11,6 +14,7 @@ from hybridlb.launch.node import Node, NodeStartError
 from hybridlb.plan import ClusterPlan, NodePlan
 
 log = logging.getLogger("hybridlb.serve")
+PORT_ERRORS = (OSError, zmq.ZMQError)  # what the launcher's own listeners (supervisor, handshake) raise
 
 
 def _ready_line(node: NodePlan) -> str:
@@ -24,13 +28,15 @@ def _ready_line(node: NodePlan) -> str:
     return f"node {node.index} serves {ranks} at {', '.join(urls)}{supervisor}"
 
 
-def serve(config: Config, plan: ClusterPlan, node: NodePlan) -> int:
+def serve(config: Config, plan: ClusterPlan, node: NodePlan, sockets: dict | None = None) -> int:
     """Run this node until SIGTERM / Ctrl-C; return the process exit code. A signal while it
-    starts stops what started so far; a second one kills it all at once."""
+    starts stops what started so far; a second one kills it all at once. ``sockets``: the API
+    servers' listening sockets by name, bound before anything started (``launch.ports``)."""
     lifecycle.set_title("hybridlb:serve")
     lifecycle.configure_logging(f"hybridlb:serve:{node.index}")
     while True:
-        runner = Node(config, plan, node)
+        runner = Node(config, plan, node, sockets)
+        sockets = None  # a node started anew binds its ports again
         code = _run(runner, config, node)
         if runner.restart_anew is None or runner.exit_reason is not None:
             return code
@@ -52,6 +58,12 @@ def _run(runner: Node, config: Config, node: NodePlan) -> int:
     except lifecycle.Interrupted as exc:
         log.info("%s: nothing served", exc)
         return 1
+    except PORT_ERRORS as exc:
+        if getattr(exc, "errno", None) != errno.EADDRINUSE or not signals.starting:
+            raise
+        log.error("a port this node listens on was taken after the start-up check (%s); nothing is served: "
+                  "start it again, or move the port", exc)
+        return 2
     except NodeStartError as exc:
         if signals.requested:  # a start-up wait that gave up because of the stop
             log.info("stopped while starting")

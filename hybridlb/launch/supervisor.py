@@ -20,7 +20,8 @@ healthy ranks out of the Service nor gets the pod killed.
 Every answer has the same JSON body: the node's status, whether it is live (and if not, why),
 and each rank's port, whether it is up, its process id, its restarts and its last problem.
 
-It probes every rank each ``interval_s`` seconds, each probe with ``timeout_s``. It runs in
+It probes every rank each ``interval_s`` seconds, each probe with ``timeout_s``, and logs a
+probe at DEBUG: only a rank turning down (WARNING) or up (INFO) reaches the INFO log. It runs in
 the node's launcher process (``hybridlb serve``) or a Ray actor (``hybridlb up``), as threads.
 Its port is reachable from outside the pod, so its HTTP side is one thread (an asyncio loop):
 a connection costs no thread, must send its request within ``READ_TIMEOUT_S``, and at most
@@ -31,6 +32,7 @@ neither pile up threads nor keep a real probe, which asks and is answered at onc
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import logging
 import socket
@@ -41,8 +43,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from http import HTTPStatus
 from urllib.parse import urlsplit
-
-import httpx
 
 log = logging.getLogger(__name__)
 READINESS_PATHS = frozenset({"/ready", "/readyz"})
@@ -184,10 +184,11 @@ class Supervisor:
         if child.failed:  # left dead: nothing will answer until the pod restarts
             return
         try:
-            response = httpx.get(f"{child.url}/health", timeout=self.timeout_s)
-            problem = None if response.status_code == 200 else f"/health answered {response.status_code}"
-        except httpx.HTTPError as exc:
+            status = probe_health(child.url, self.timeout_s)
+            problem = None if status == 200 else f"/health answered {status}"
+        except (OSError, http.client.HTTPException) as exc:
             problem = f"{type(exc).__name__}: {exc}"
+        log.debug("rank %d: GET %s/health: %s", child.rank, child.url, problem or "200")
         if problem is None:
             self._up(child)
             return
@@ -275,6 +276,18 @@ def _response(status: int, body: dict) -> bytes:
     head = (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n")
     return head.encode() + data
+
+
+def probe_health(url: str, timeout_s: float) -> int:
+    """GET ``url``/health once; its status. Plain http.client: an HTTP client library logs each
+    request at INFO (httpx does), which for a probe every few seconds per rank floods the log."""
+    parts = urlsplit(url)
+    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout_s)
+    try:
+        connection.request("GET", "/health")
+        return connection.getresponse().status
+    finally:
+        connection.close()
 
 
 def local_url(host: str, port: int) -> str:

@@ -67,7 +67,7 @@ def test_engine_and_coordinator_deaths_without_restart(tiny_qwen3):
         outcomes = streams.join(60)
         assert [o.kind for o in outcomes] == ["complete"] * 8, [o.detail for o in outcomes]
         assert all(o.finish_reason == "length" for o in outcomes)
-        assert "moving it to another engine" in server.output
+        assert "moved, 0 lost" in server.output  # the API server's tally of what the death took off engine 0
 
         assert burst([server.url], server.model, 20) == [200] * 20  # the survivor serves them all
         code, body = _health(server)
