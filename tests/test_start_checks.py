@@ -16,7 +16,7 @@ import time
 import pytest
 
 from hybridlb.config import ConfigError, load_config
-from tests.servers import free_port
+from tests.servers import completion, free_port, start_server
 
 
 def _hybridlb(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -199,6 +199,17 @@ def test_flags_that_change_nothing_serve_with_one_note_each(tiny_qwen3):
     assert [note.split(" has no effect")[0] for note in notes] == [
         "note: --swap-space 4", "note: --data-parallel-backend ray", "note: --enable-eplb",
         "note: --compilation-config 3"], run.stderr
+
+
+def test_a_vllm_command_line_with_no_effect_flags_starts_and_serves(tiny_qwen3):
+    """Not only the dry run: `--swap-space 4 --data-parallel-backend ray` start, say one note each, and serve."""
+    server = start_server(tiny_qwen3, "--swap-space", "4", "--data-parallel-backend", "ray")
+    try:
+        assert completion(server.url, tiny_qwen3)["choices"][0]["text"]
+        for flag in ("--swap-space 4", "--data-parallel-backend ray"):
+            assert f"note: {flag} has no effect" in server.output, server.output
+    finally:
+        server.stop()
 
 
 def test_every_problem_of_a_command_line_is_listed_at_once(tiny_qwen3):
