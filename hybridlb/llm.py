@@ -8,6 +8,8 @@ import torch
 
 from hybridlb import lifecycle
 from hybridlb.checkpoint.detokenizer import IncrementalDetokenizer, visible
+from hybridlb.checkpoint.hub import names_hub_model
+from hybridlb.checkpoint.path import resolve
 from hybridlb.checkpoint.tokenizer import Tokenizer
 from hybridlb.config import EngineConfig
 from hybridlb.engine.core import make_core
@@ -35,6 +37,8 @@ class LLM:
 
     def __init__(self, model: str, **engine_options):
         lifecycle.tune_allocator()
+        if engine_options.get("revision") and names_hub_model(model):  # that snapshot, as the CLI pins it
+            model = str(resolve(model, engine_options["revision"]).path)
         self.config = EngineConfig(model=model, **engine_options)
         if self.config.torch_threads:
             torch.set_num_threads(self.config.torch_threads)

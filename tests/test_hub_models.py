@@ -169,3 +169,15 @@ def test_serve_answers_to_the_hub_id(hf_home):
         assert answer["model"] == REPO and answer["usage"]["completion_tokens"] == 3
     finally:
         server.stop()
+
+
+def test_the_offline_llm_takes_a_hub_id_at_a_revision(hf_home, tmp_path, monkeypatch):
+    """`LLM("org/name", revision=...)` loads that snapshot, as the command line does."""
+    from hybridlb import LLM
+
+    for variable in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("HF_HOME", str(hf_home))
+    monkeypatch.chdir(tmp_path)
+    assert LLM(REPO, revision="v2").engine.max_model_len == 1000
+    assert LLM(REPO).engine.max_model_len != 1000
