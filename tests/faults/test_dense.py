@@ -8,6 +8,7 @@ survivors must keep serving new requests with zero failures, and /health, /ranks
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -112,7 +113,7 @@ def test_api_server_death_without_restart_stops_the_node(tiny_qwen3):
         outcomes = streams.join(KILL_DEADLINE_S)
         assert all(o.kind == "error" for o in outcomes)
         assert server.process.wait(KILL_DEADLINE_S) == 1
-        assert "api:0 exited" in server.output
+        assert "api:0 was killed by SIGKILL" in server.output
     finally:
         server.stop()
 
@@ -178,6 +179,9 @@ def test_requests_queued_on_a_dead_engine_move_to_another(tiny_qwen3):
         assert streams.count("error") <= 2, [o.detail for o in streams.outcomes if o.kind == "error"]
         assert all("engine 0" in o.detail for o in outcomes if o.kind == "error")
         assert streams.count("complete") >= 14
-        assert "sending it to another engine" in server.output
+        # One tally for the engine's requests: the queued ones moved, only the clients' errors lost.
+        tally = re.search(r"engine 0: of its (\d+) in-flight requests, (\d+) moved, (\d+) lost", server.output)
+        assert tally is not None, server.output
+        assert int(tally[3]) == streams.count("error") and int(tally[2]) >= 1, tally[0]
     finally:
         server.stop()
