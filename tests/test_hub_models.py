@@ -15,8 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from hybridlb.checkpoint.hub import cache_dir, pin_hub_model
+from hybridlb.checkpoint.hub import cache_dir
 from hybridlb.checkpoint.path import CheckpointError, resolve
+from hybridlb.checkpoint.pin import pin_hub_model
 from hybridlb.config import parse_config
 from tests.servers import Server, completion, start_servers
 

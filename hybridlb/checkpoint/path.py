@@ -23,13 +23,11 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+from hybridlb.checkpoint.errors import CheckpointError
+from hybridlb.checkpoint.hub import names_hub_model, snapshot
 from hybridlb.config import MODEL_ALIASES
 
 PACKAGE_PREFIX = "package:"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded; the message names the file and the fix."""
 
 
 @dataclass(frozen=True)
@@ -74,8 +72,6 @@ def resolve(model: str | Path, revision: str | None = None) -> Checkpoint:
     """The checkpoint a model argument names, or a CheckpointError saying what is wrong.
 
     ``revision`` (a branch, tag or commit; default main) picks the snapshot of a hub ID."""
-    from hybridlb.checkpoint.hub import names_hub_model, snapshot  # hub builds on this module
-
     text = str(model)
     if text.lower() in MODEL_ALIASES:
         text = MODEL_ALIASES[text.lower()][0]

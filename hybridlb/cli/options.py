@@ -224,8 +224,8 @@ def _merged_config(config: Path | None, model: str | None, overrides: dict[str, 
 
 def pinned_hub_model(cfg: Config) -> Config:
     """``cfg`` with a hub ID as model taken from the local Hugging Face cache, once for the whole process tree."""
-    from hybridlb.checkpoint.hub import pin_hub_model
     from hybridlb.checkpoint.path import CheckpointError
+    from hybridlb.checkpoint.pin import pin_hub_model
 
     try:
         cfg, note = pin_hub_model(cfg)
