@@ -91,6 +91,14 @@ async def _first_delta(node: Node, rank: int | None = None):
     return stream
 
 
+async def _streaming_on_engine_0(node: Node):
+    """A request that got its first token from engine 0: its stream."""
+    next_delta = asyncio.ensure_future(_first_delta(node))
+    await _settle()
+    node.engines[0].emit()
+    return await next_delta
+
+
 @pytest.fixture(scope="module")
 def tokenizer(tiny_qwen3) -> Tokenizer:
     return Tokenizer(tiny_qwen3)
@@ -105,10 +113,7 @@ def test_a_moved_request_counts_as_migrated_once_and_not_lost(tokenizer, caplog)
 
     async def scenario():
         e0, e1 = node.engines
-        next_delta = asyncio.ensure_future(_first_delta(node))
-        await _settle()
-        e0.emit()
-        stream = await next_delta
+        stream = await _streaming_on_engine_0(node)
         e0.die()
         after = asyncio.ensure_future(anext(stream))
         await _settle()
@@ -152,10 +157,7 @@ def test_a_failed_migration_is_lost_once_and_not_migrated(tokenizer, caplog):
 
     async def scenario():
         e0, _ = node.engines
-        next_delta = asyncio.ensure_future(_first_delta(node))
-        await _settle()
-        e0.emit()
-        stream = await next_delta
+        stream = await _streaming_on_engine_0(node)
         e0.die()
         with pytest.raises(APIError):
             await anext(stream)
@@ -172,10 +174,7 @@ def test_a_quarantined_request_is_migrated_once_then_lost_once(tokenizer):
 
     async def scenario():
         e0, e1 = node.engines
-        next_delta = asyncio.ensure_future(_first_delta(node))
-        await _settle()
-        e0.emit()
-        stream = await next_delta
+        stream = await _streaming_on_engine_0(node)
         e0.die()  # it moves to engine 1 ...
         after = asyncio.ensure_future(anext(stream))
         await _settle()
@@ -194,10 +193,7 @@ def test_a_request_whose_client_had_gone_is_neither_moved_nor_lost(tokenizer, ca
 
     async def scenario():
         e0, _ = node.engines
-        next_delta = asyncio.ensure_future(_first_delta(node))
-        await _settle()
-        e0.emit()
-        stream = await next_delta
+        stream = await _streaming_on_engine_0(node)
         e0.die()  # its failure waits on the queue while the client ...
         await stream.aclose()  # ... goes away without reading further
 
