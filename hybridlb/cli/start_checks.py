@@ -16,8 +16,6 @@ from hybridlb.cli.problems import Problems
 from hybridlb.config import Config
 from hybridlb.plan import ClusterPlan, NodePlan
 
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
-
 
 def check_start(cfg: Config, problems: Problems, *, dry_run: bool = False,
                 cluster: bool = False) -> tuple[ClusterPlan | None, NodePlan | None]:
@@ -55,15 +53,11 @@ def _said_later(cfg: Config, plan: ClusterPlan, node: NodePlan) -> list[str]:
     """The warnings a real start's components log as they start (the dry run has no components)."""
     from hybridlb.transport import cluster_token
 
-    engine, dp = cfg.engine, cfg.data_parallel
-    said = []
-    if engine.gpu_memory_utilization is not None and engine.device != "cuda":
-        said.append(f"gpu_memory_utilization applies on CUDA; on CPU kv_cache_gib ({engine.kv_cache_gib:g} GiB) "
-                    "sizes the KV cache")
-    if node.is_head and plan.joins_cluster and not cluster_token(dp.cluster_token) and dp.address not in LOOPBACK:
-        said.append(f"no cluster token: any host that reaches {dp.address}:{dp.rpc_port} can join the cluster (and "
-                    "learn the key its other sockets use for this run); set --cluster-token")
-    return said
+    dp = cfg.data_parallel
+    said = [cfg.engine.kv_cache_size_note(cfg.engine.device)]
+    if node.is_head and plan.joins_cluster and not cluster_token(dp.cluster_token):
+        said.append(dp.open_handshake_warning())
+    return [warning for warning in said if warning is not None]
 
 
 def _try_ports(cfg: Config, plan: ClusterPlan, node: NodePlan, cluster: bool) -> tuple[list[str], list[str]]:

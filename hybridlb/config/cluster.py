@@ -104,10 +104,21 @@ class NodeConfig(_Section):
     )
 
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
 class DataParallelConfig(_Section):
     """How ranks are spread over nodes. The per-node fields describe the node this
     process runs on (as the ``--data-parallel-*`` flags do); ``nodes`` may describe the
     whole cluster instead."""
+
+    def open_handshake_warning(self) -> str | None:
+        """The head's warning when it takes nodes with no cluster token beyond loopback, or None
+        (whether there is a token is the caller's: the environment may hold it)."""
+        if self.address in LOOPBACK:
+            return None
+        return (f"no cluster token: any host that reaches {self.address}:{self.rpc_port} can join the cluster (and "
+                "learn the key its other sockets use for this run); set --cluster-token")
 
     size: int = Field(1, ge=1, description="Data-parallel ranks in the whole cluster.")
     size_local: int | None = Field(None, ge=1, description="Ranks on this node; default: all (one node).")

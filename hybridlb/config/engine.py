@@ -237,6 +237,13 @@ class EngineConfig(_Section):
             return self
         return self.model_copy(update={"kv_events": self.kv_events.for_rank(rank, port, served_name)})
 
+    def kv_cache_size_note(self, device: str) -> str | None:
+        """The warning an engine on ``device`` gives for gpu_memory_utilization off CUDA, or None."""
+        if self.gpu_memory_utilization is None or device == "cuda":
+            return None
+        return (f"gpu_memory_utilization applies on CUDA; on CPU kv_cache_gib ({self.kv_cache_gib:g} GiB) sizes the "
+                "KV cache")
+
 
     model: str = Field(description="The checkpoint (never downloaded): a Hugging Face directory, a .gguf file "
                        "(or a directory holding one), package:DIST/PATH for a file inside an installed package, or a "

@@ -121,9 +121,8 @@ class ModelRunner:
         fraction = config.gpu_memory_utilization
         if fraction is None:
             return None
-        if self.device.type != "cuda":
-            log.warning("gpu_memory_utilization applies on CUDA; on CPU kv_cache_gib (%g GiB) sizes the KV cache",
-                        config.kv_cache_gib)
+        if (note := config.kv_cache_size_note(self.device.type)) is not None:
+            log.warning("%s", note)
             return None
         free, total = torch.cuda.mem_get_info(self.device)
         spec = self.spec

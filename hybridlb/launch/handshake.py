@@ -90,9 +90,8 @@ class HeadHandshake(threading.Thread):
         self.refusals = self.router.get_monitor_socket(HANDSHAKE_FAILED)
         self.last_refusal_log = 0.0
         self.router.bind(address)
-        if not own.token and dp.address not in ("127.0.0.1", "localhost", "::1"):
-            log.warning("no cluster token: any host that reaches %s:%d can join the cluster (and learn the key "
-                        "its other sockets use for this run); set --cluster-token", dp.address, dp.rpc_port)
+        if not own.token and (warning := dp.open_handshake_warning()) is not None:
+            log.warning("%s", warning)
         self.nodes: dict[bytes, RegisterNode] = {}
         self.ready_ranks: set[int] = set()
         self.engine_addresses: dict[int, str] = {}
