@@ -76,7 +76,7 @@ def rank_endpoint(endpoint: str, rank: int) -> str:
     return f"{match.group(1)}:{int(match.group(2)) + rank}"
 
 
-def _binds(endpoint: str) -> bool:
+def binds_endpoint(endpoint: str) -> bool:
     """vLLM's rule: a wildcard or local endpoint is bound, a remote address is dialled."""
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
@@ -118,7 +118,7 @@ class KVEventPublisher:
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.set_hwm(config.hwm)
         self.socket.setsockopt(zmq.MAXMSGSIZE, REQUEST_LIMIT)  # what a PUB takes in: subscriptions
-        binds = config.endpoint is None or _binds(self.endpoint)
+        binds = config.endpoint is None or binds_endpoint(self.endpoint)
         (self.socket.bind if binds else self.socket.connect)(self.endpoint)
         if config.replay_endpoint:
             replay = context.socket(zmq.ROUTER)

@@ -99,7 +99,7 @@ def _listen(host: str, port: int) -> socket.socket:
 
 def _kv_event_listeners(config: Config, node: NodePlan) -> list[Listener]:
     """The tcp endpoints this node's engines bind for KV-cache events (``engine.kv_events``)."""
-    from hybridlb.engine.kv_events import DEFAULT_ENDPOINT, _binds, rank_endpoint
+    from hybridlb.engine.kv_events import DEFAULT_ENDPOINT, binds_endpoint, rank_endpoint
 
     events = config.engine.kv_events
     if events is None or not events.enabled:
@@ -108,7 +108,7 @@ def _kv_event_listeners(config: Config, node: NodePlan) -> list[Listener]:
     found = []
     for rank in node.ranks:
         endpoint = rank_endpoint(events.endpoint or DEFAULT_ENDPOINT, rank)
-        if events.endpoint is None or _binds(endpoint):
+        if events.endpoint is None or binds_endpoint(endpoint):
             found += _tcp(endpoint, f"the KV events of engine {rank}", option)
         if events.replay_endpoint:
             found += _tcp(rank_endpoint(events.replay_endpoint, rank), f"the KV-event replay of engine {rank}", option)
