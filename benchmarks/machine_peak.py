@@ -5,10 +5,10 @@
   the LM head at batch 1, 16, 32 and 64, and one large square GEMM, in bfloat16 and float32,
   with torch's CPU kernels on ``--threads`` threads (default: every core); bfloat16 also
   through oneDNN with the weight reordered once (``_reorder_linear_weight``) and through the
-  engine's own kernel (``csrc/bf16.c``, AVX-512 BF16; the path the engine's linear layers take
+  engine's own kernel (``kernels/csrc/bf16.c``, AVX-512 BF16; the path the engine's linear layers take
   where the CPU has it, ``hybridlb/model/layers.py``, else oneDNN's), and with int8 weights through
-  ``csrc/int8.c`` (``--quantization int8``'s path; half the bytes) and 4-bit weights through
-  ``csrc/int4.c`` (``int4`` / ``gguf``'s; 5 bits a weight with scales). GFLOP/s =
+  ``kernels/csrc/int8.c`` (``--quantization int8``'s path; half the bytes) and 4-bit weights through
+  ``kernels/csrc/int4.c`` (``int4`` / ``gguf``'s; 5 bits a weight with scales). GFLOP/s =
   2·M·N·K / time; at batch 1 the weights' bytes over the time is the bandwidth a decode
   step can stream them at (the LM head's, one large weight, is the best case).
 * **Weight streaming at batch 1**: every projection of the model's 30 layers plus the LM
@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 from common import stamp
 
-from hybridlb.model import kernels
+from hybridlb import kernels
 from hybridlb.model.quantized import Int4Linear, Int8Linear
 
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, VOCAB, LAYERS = 576, 1536, 9, 3, 64, 49152, 30

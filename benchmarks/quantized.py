@@ -1,9 +1,9 @@
 """Weights kept quantized against bfloat16, each configuration alone on the machine.
 
 SmolLM2-135M-Instruct from its Q4_1 GGUF file, bfloat16 activations, three configurations of
-``hybridlb serve`` (one engine): ``bf16`` (the file dequantized, today's default), ``int8``
-(``--quantization int8``: per-channel int8 from the dequantized values) and ``q4``
-(``--quantization gguf``: the file's own 4-bit blocks). Each round starts one configuration,
+``hybridlb serve`` (one engine): ``bf16`` (``--quantization none``: the file dequantized), ``int8``
+(``--quantization int8``: per-channel int8 from the dequantized values) and ``q4`` (no flag: a .gguf
+file's default, ``gguf``, the file's own 4-bit blocks). Each round starts one configuration,
 warms it up, measures every shape, stops it, then the next; the order alternates between
 rounds. Shapes: 32 in / 64 out at concurrency 1 (16 sequential requests) and 16 (64 requests),
 random prompts, ``--ignore-eos``. Reported per configuration: output tok/s and mean TPOT
@@ -12,7 +12,7 @@ bytes of weight a decode step streams, and at concurrency 1 those bytes times th
 second as a fraction of this machine's measured batch-1 bfloat16 weight streaming
 (``machine_peak.weight_streaming``, measured in this run with no server up). Quality, once per
 configuration: how many of 16 greedy tokens each of 8 prompts shares with ``bf16``, and, unless
-``--no-lm-eval``, the repository's lm-eval tasks (tests/evals) through ``lm_eval --model
+``--no-lm-eval``, the repository's lm-eval tasks (tests/real/evals) through ``lm_eval --model
 local-completions``.
 
     python benchmarks/quantized.py [--rounds 3] [--no-lm-eval]
@@ -34,7 +34,8 @@ import torch
 from common import SMOLLM2, Server, drive, smollm2_hf_dir, stamp
 from machine_peak import engine_path, weight_streaming
 
-CONFIGS = {"bf16": [], "int8": ["--quantization", "int8"], "q4": ["--quantization", "gguf"]}
+CONFIGS = {"bf16": ["--quantization", "none"], "int8": ["--quantization", "int8"], "q4": []}
+METHODS = {"bf16": None, "int8": "int8", "q4": "gguf"}  # what each configuration's engine keeps
 SHAPES = [(32, 64, 1), (32, 64, 16)]
 PROMPTS = {1: 16, 16: 64}
 VOCAB = 49152
@@ -51,8 +52,8 @@ def weight_bytes(quantization: str | None) -> dict:
     the embedding is a lookup of one row per token; an output layer kept as codes reads those, not its
     dense copy). ``held``: bytes of every tensor the model holds as the engine holds it (packed for the
     kernels; a tied output layer's packed copy and a kept-as-codes layer's dense copy included)."""
+    from hybridlb import kernels
     from hybridlb.checkpoint.spec import load_spec
-    from hybridlb.model import kernels
     from hybridlb.model.loader import load_model
     from hybridlb.model.quantized import Int8GroupLinear
 
@@ -94,7 +95,7 @@ def lm_eval_scores(url: str, tokenizer_dir: str) -> dict:
         model_args = (f"model=smollm2,base_url={url}/v1/completions,tokenizer={tokenizer_dir},"
                       "tokenizer_backend=huggingface,num_concurrent=4,max_retries=1")
         command = [sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args", model_args,
-                   "--include_path", "tests/evals", "--tasks", "hybridlb_smoke_mc,hybridlb_smoke_gen",
+                   "--include_path", "tests/real/evals", "--tasks", "hybridlb_smoke_mc,hybridlb_smoke_gen",
                    "--output_path", out, "--batch_size", "1"]
         env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
         subprocess.run(command, cwd=ROOT, env=env, check=True, capture_output=True, timeout=1800)
@@ -146,7 +147,7 @@ def main() -> None:
     tokenizer_dir = None if args.no_lm_eval else smollm2_hf_dir(args.models_dir)
     streaming = weight_streaming(torch.bfloat16, 20, engine_path())  # nothing else running; the engine's path
     print(f"bfloat16 batch-1 weight streaming: {streaming['gb_s']:.1f} GB/s", flush=True)
-    weights = {name: weight_bytes(flags[1] if flags else None) for name, flags in CONFIGS.items()}
+    weights = {name: weight_bytes(METHODS[name]) for name in CONFIGS}
     step_bytes = {name: w["streamed"] for name, w in weights.items()}
     runs: dict[str, list[dict]] = {name: [] for name in CONFIGS}
     names = list(CONFIGS)

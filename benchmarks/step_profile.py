@@ -12,6 +12,11 @@ fraction of the decode peak and memory bandwidth that ``machine_peak.py`` measur
 from ``--peak``, benchmarks/results/machine_peak.json; run that first, nothing else running).
 
     python benchmarks/step_profile.py [--model M] [--batch 16] [--prompt-len 64] [--dtype bfloat16]
+        [--quantization none|gguf|int8|int4]
+
+``--quantization`` defaults to none (a GGUF file dequantized, what the report's figures are); with
+another method the ops and parts show the quantized step, but the bytes and FLOPs put against the
+machine still count dense weights.
 """
 
 from __future__ import annotations
@@ -153,10 +158,11 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", default="none", choices=["none", "gguf", "int8", "int4"])
     parser.add_argument("--peak", type=Path, default=Path("benchmarks/results/machine_peak.json"))
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/step_profile.json"))
     args = parser.parse_args()
-    llm = LLM(args.model, max_model_len=2048, kv_cache_gib=0.5, dtype=args.dtype,
+    llm = LLM(args.model, max_model_len=2048, kv_cache_gib=0.5, dtype=args.dtype, quantization=args.quantization,
               max_num_batched_tokens=max(2048, args.batch * args.prompt_len))
     warm = start_requests(llm, args.batch, args.prompt_len, 4, "warm")
     while llm.engine.scheduler.waiting or llm.engine.scheduler.running:

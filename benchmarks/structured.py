@@ -8,7 +8,7 @@ SmolLM2 bfloat16, one engine, concurrency 16, chat requests of 32 and 64 output 
   required string), so both write the same number of tokens and differ only by the mask.
 
 Also, in this process and for both grammar backends (llguidance, xgrammar), the setup, the
-compile time for each of the 20 schemas of ``tests/structured/test_structured_api.py`` (cold:
+compile time for each of the 20 schemas of ``tests/process/structured/test_structured_api.py`` (cold:
 compile plus the first mask; cached: a matcher from the cache) and one step's mask fill for 16
 requests, and, against the server, the TPOT of free requests while 20
 never-seen schemas compile beside them (``--compile-load``). Each server runs alone on the
@@ -33,7 +33,7 @@ import httpx
 from common import SMOLLM2, Server, previous_results, smollm2_hf_dir, stamp, vllm_executable, wait_quiet
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.structured.test_structured_api import SCHEMAS
+from tests.process.structured.test_structured_api import SCHEMAS
 
 LONG = {"type": "object", "properties": {"story": {"type": "string", "minLength": 600, "maxLength": 2000}},
         "required": ["story"]}
@@ -185,7 +185,8 @@ def main() -> None:
         print(f"round {round_index + 1}", flush=True)
         for name in servers if round_index % 2 == 0 else servers[::-1]:
             if name == "hybridlb":
-                server = Server.hybridlb("hybridlb", SMOLLM2, "--dtype", "bfloat16", "--served-model-name", "smollm2")
+                server = Server.hybridlb("hybridlb", SMOLLM2, "--dtype", "bfloat16", "--quantization", "none",
+                                         "--served-model-name", "smollm2")  # vLLM's weights: the file dequantized
             else:
                 server = Server.vllm("vllm", vllm_executable(), smollm2_hf_dir(args.models_dir), "--dtype", "bfloat16",
                                      "--served-model-name", "smollm2")

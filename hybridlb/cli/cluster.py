@@ -3,25 +3,26 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
-from hybridlb.cli.options import build_config, fail, stopped_before_start
+from hybridlb.cli.config_flags import options, overrides
+from hybridlb.cli.options import build_config, fail, stopped_before_start, with_options
 from hybridlb.cli.problems import Problems
 from hybridlb.cli.start_checks import check_start
 
 
+@with_options(options("up"), into="flags")
 def up(
     config: Annotated[Path, typer.Argument(help="YAML config describing the whole cluster.")],
-    address: Annotated[str | None, typer.Option(help="Ray cluster: 'auto' or HOST:PORT (default: start one).")] = None,
     detach: Annotated[bool, typer.Option(help="Leave the cluster running after this command exits.")] = False,
-    name: Annotated[str | None, typer.Option(help="Cluster name (default: ray.name, 'default').")] = None,
+    flags: dict[str, Any] | None = None,
 ):
     """Place the cluster on Ray: per node an API server and its engines, one coordinator."""
     with stopped_before_start():
         problems = Problems()
-        cfg = build_config(config, None, {"ray": dict(address=address, name=name)}, problems)
+        cfg = build_config(config, overrides(flags, problems), problems)
         plan, _ = check_start(cfg, problems, cluster=True) if cfg is not None else (None, None)
         problems.raise_any()  # every problem of the config, as `serve` lists them
         from hybridlb.launch.ray_driver import up as ray_up  # Ray is imported once the checks passed

@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
-from hybridlb.cli.options import MODEL_HELP, build_config, ensure_checkpoint, fail
+from hybridlb.cli.config_flags import options, overrides
+from hybridlb.cli.options import CONFIG, build_config, ensure_checkpoint, fail, with_options
+from hybridlb.cli.problems import Problems
 
 
 def make_model_command(
@@ -29,10 +31,10 @@ def make_model_command(
     typer.echo(f"wrote {arch} ({size}) to {path}")
 
 
+@with_options(options("generate"), into="flags")
 def generate(
     prompt: Annotated[list[str], typer.Option(help="Prompt text; repeat for a batch.")],
-    model: Annotated[str | None, typer.Option(help=MODEL_HELP)] = None,
-    config: Annotated[Path | None, typer.Option(help="YAML config; flags override it.")] = None,
+    config: CONFIG = None,
     max_tokens: Annotated[int, typer.Option(help="Tokens to generate per prompt.")] = 32,
     temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.0,
     top_p: Annotated[float, typer.Option()] = 1.0,
@@ -40,10 +42,8 @@ def generate(
     seed: Annotated[int | None, typer.Option(help="Per-request sampling seed.")] = None,
     stop: Annotated[list[str] | None, typer.Option(help="Stop string; repeatable.")] = None,
     ignore_eos: Annotated[bool, typer.Option(help="Keep going past end-of-sequence.")] = False,
-    max_model_len: Annotated[int | None, typer.Option()] = None,
-    device: Annotated[str | None, typer.Option(help="cpu or cuda.")] = None,
-    dtype: Annotated[str | None, typer.Option(help="auto, float32, bfloat16 or float16.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object per prompt.")] = False,
+    flags: dict[str, Any] | None = None,
 ):
     """Generate offline, in this process, for one or more prompts."""
     from hybridlb.checkpoint.spec import CheckpointError
@@ -54,7 +54,9 @@ def generate(
                             seed=seed, stop=stop or [], ignore_eos=ignore_eos)
     if problems := params.problems():
         fail("; ".join(message for _, message in problems))
-    cfg = build_config(config, model, {"engine": dict(max_model_len=max_model_len, device=device, dtype=dtype)})
+    found = Problems()
+    cfg = build_config(config, overrides(flags, found), found)
+    found.raise_any()
     try:
         ensure_checkpoint(cfg.engine)
         llm = LLM(**cfg.engine.model_dump(exclude={"make_if_missing"}))

@@ -1,14 +1,14 @@
-"""What the commands share: option declarations (each declared once), the error exit, and
-the Config built from ``--config`` plus flags, with its cluster plan and checkpoint checks.
-The helpers that read flags add what is wrong to a ``Problems`` list and go on, so that a
-command reports every problem of its command line at once."""
+"""What the commands share: options added to a command (``with_options``; the config's own come
+from ``config_flags``), Ctrl-C before the start, and the Config built from ``--config`` plus
+flags, with its cluster plan and checkpoint checks. The helpers that read flags add what is
+wrong to a ``Problems`` list and go on, so that a command reports every problem of its command
+line at once."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
 import inspect
-import json
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -17,10 +17,7 @@ import typer
 from hybridlb.cli.problems import Problems, Refusal, fail
 from hybridlb.config import Config, ConfigError, EngineConfig, parse_config, read_config_file
 
-# --help marks the flags vLLM also has (same name and meaning) apart from hybridlb's own.
-VLLM_MARK = "[vLLM]"
-MODEL_HELP = ("Checkpoint: a Hugging Face directory, a .gguf file, package:DIST/PATH, or a hub ID (org/name) "
-              "in the local Hugging Face cache.")
+CONFIG = Annotated[Path | None, typer.Option(help="YAML config; flags override it.")]
 
 
 @contextlib.contextmanager
@@ -34,62 +31,6 @@ def stopped_before_start():
         raise typer.Exit(130) from None
 
 
-def vllm_option(*names: str, help: str | None = None) -> typer.models.OptionInfo:
-    """An option vLLM also has, with its name and meaning (marked VLLM_MARK in --help)."""
-    return typer.Option(*names, help=f"{help} {VLLM_MARK}" if help else VLLM_MARK)
-
-
-def _option(*names: str, help: str, vllm: bool = True) -> typer.models.OptionInfo:
-    return vllm_option(*names, help=help) if vllm else typer.Option(*names, help=help)
-
-
-# The data-parallel layout of the cluster and this node's part in it: ``serve`` and ``plan``
-# take these (``with_options``), as data_parallel.* / lb.* overrides.
-PARALLEL = {
-    "data_parallel_size": Annotated[int | None, _option("--data-parallel-size", "-dp",
-                                                        help="Ranks in the whole cluster.")],
-    "data_parallel_size_local": Annotated[int | None, _option("--data-parallel-size-local",
-                                                              help="Ranks on this node.")],
-    "data_parallel_start_rank": Annotated[int | None, _option("--data-parallel-start-rank",
-                                                              help="This node's first rank.")],
-    "data_parallel_rank": Annotated[int | None, _option("--data-parallel-rank",
-                                                        help="External LB: serve only this rank.")],
-    "data_parallel_address": Annotated[str | None, _option("--data-parallel-address", help="The head node's address.")],
-    "data_parallel_rpc_port": Annotated[int | None, _option("--data-parallel-rpc-port",
-                                                            help="The head's handshake port.")],
-    "data_parallel_node_address": Annotated[str | None, _option(
-        "--data-parallel-node-address", help="This node's address for other nodes (internal LB).")],
-    "headless": Annotated[bool | None, _option("--headless/--no-headless", help="Engines only, no API server.")],
-    "lb_mode": Annotated[str | None, _option("--lb-mode", help="hybrid (default), internal, external or multi_port.",
-                                             vllm=False)],
-    "api_servers_per_node": Annotated[str | None, _option("--api-servers-per-node", help="N or auto.", vllm=False)],
-    "data_parallel_supervisor_port": Annotated[int | None, _option(
-        "--data-parallel-supervisor-port", help="Multi-port: the node supervisor's port (/health, /readyz; "
-        "default 9256).")],
-    "dp_supervisor_probe_interval_s": Annotated[float | None, _option(
-        "--dp-supervisor-probe-interval-s", help="Multi-port: seconds between probes of each rank (default 5).")],
-    "dp_supervisor_probe_timeout_s": Annotated[float | None, _option(
-        "--dp-supervisor-probe-timeout-s", help="Multi-port: seconds one probe may take (default 5).")],
-    "dp_supervisor_probe_failure_threshold": Annotated[int | None, _option(
-        "--dp-supervisor-probe-failure-threshold", help="Multi-port: failed probes before a rank is down "
-        "(default 3).")],
-}
-# Field of the config section each PARALLEL flag sets.
-_PARALLEL_FIELDS = {
-    "data_parallel_size": ("data_parallel", "size"), "data_parallel_size_local": ("data_parallel", "size_local"),
-    "data_parallel_start_rank": ("data_parallel", "start_rank"), "data_parallel_rank": ("data_parallel", "rank"),
-    "data_parallel_address": ("data_parallel", "address"), "data_parallel_rpc_port": ("data_parallel", "rpc_port"),
-    "data_parallel_node_address": ("data_parallel", "node_address"), "headless": ("data_parallel", "headless"),
-    "lb_mode": ("lb", "mode"), "api_servers_per_node": ("lb", "api_servers_per_node"),
-    "data_parallel_supervisor_port": ("lb", "supervisor_port"),
-    "dp_supervisor_probe_interval_s": ("lb", "supervisor_probe_interval_s"),
-    "dp_supervisor_probe_timeout_s": ("lb", "supervisor_probe_timeout_s"),
-    "dp_supervisor_probe_failure_threshold": ("lb", "supervisor_probe_failure_threshold"),
-}
-EXPERT_PARALLEL = Annotated[bool | None, _option("--enable-expert-parallel/--no-enable-expert-parallel",
-                                                 help="MoE: shard experts over the DP ranks.")]
-
-
 def with_options(options: dict[str, Any], into: str):
     """A command also takes ``options`` (parameter name → its Annotated type; all default to
     None) and receives their values as one dict, its parameter ``into``."""
@@ -97,6 +38,7 @@ def with_options(options: dict[str, Any], into: str):
     def decorate(command):
         signature = inspect.signature(command, eval_str=True)
         own = [p for p in signature.parameters.values() if p.name != into]
+        assert not {p.name for p in own} & set(options), "a command's own parameter shadows an option"
         added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=kind)
                  for name, kind in options.items()]
 
@@ -111,78 +53,12 @@ def with_options(options: dict[str, Any], into: str):
     return decorate
 
 
-def parallel_overrides(flags: dict[str, Any], problems: Problems) -> dict[str, dict]:
-    """Config overrides (section → fields) from the PARALLEL flags' values."""
-    sections: dict[str, dict] = {"data_parallel": {}, "lb": {}}
-    for name, value in flags.items():
-        section, field = _PARALLEL_FIELDS[name]
-        sections[section][field] = value
-    if sections["lb"].get("mode"):
-        sections["lb"]["mode"] = sections["lb"]["mode"].replace("-", "_")  # multi-port, as vLLM users write it
-    servers = sections["lb"].get("api_servers_per_node")
-    if servers not in (None, "auto"):
-        if not servers.isdigit():
-            problems.add(f"--api-servers-per-node takes a number or 'auto', got {servers!r}")
-            servers = None
-        sections["lb"]["api_servers_per_node"] = servers and int(servers)
-    return sections
+def build_config(config: Path | None, overrides: dict[str, dict], problems: Problems | None = None,
+                 pin_hub: bool = True) -> Config | None:
+    """A Config from an optional YAML file, with the flags on top.
 
-
-def served_names(names: list[str] | None) -> str | list[str] | None:
-    """api.served_model_name from the --served-model-name flags (None: not given)."""
-    return names[0] if names and len(names) == 1 else names or None
-
-
-def json_flag(name: str, text: str | None, problems: Problems) -> dict | None:
-    """A flag whose value is a JSON object (vLLM's --kv-events-config), or None if not given (or wrong)."""
-    if text is None:
-        return None
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        problems.add(f"{name} is not valid JSON ({exc}); give an object, e.g. '{{\"enable_kv_cache_events\": true}}'")
-        return None
-    if not isinstance(value, dict):
-        problems.add(f"{name} must be a JSON object, got {text!r}")
-        return None
-    return value
-
-
-# engine.lora keys whose flag is not --KEY.
-_LORA_FLAG_NAMES = {"load": "--lora-load", "allowed_roots": "--lora-allowed-root"}
-
-
-def lora_flags(enable: bool, modules: list[str] | None, problems: Problems,
-               **limits: int | str | list[str] | None) -> dict | None:
-    """engine.lora from --enable-lora, --lora-modules (name=path or vLLM's JSON form), the
-    --max-lora* limits, --lora-load and --lora-allowed-root; None when none is given (the config
-    file decides)."""
-    given = {key: value for key, value in limits.items() if value is not None}
-    if not enable:
-        if modules or given:
-            flags = ["--lora-modules"] * bool(modules) + [
-                _LORA_FLAG_NAMES.get(key, f"--{key.replace('_', '-')}") for key in given]
-            problems.add(f"{', '.join(flags)} needs --enable-lora; add it")
-        return None
-    entries = []
-    for text in modules or []:
-        if text.lstrip().startswith("{"):
-            entry = json_flag("--lora-modules", text, problems)
-        else:
-            name, equals, path = text.partition("=")
-            entry = {"name": name, "path": path} if equals and name and path else None
-            if entry is None:
-                problems.add(f"--lora-modules {text!r}: write name=path (or JSON with name, path, base_model_name)")
-        if entry is not None:
-            entries.append(entry)
-    return {"modules": entries, **given}
-
-
-def build_config(config: Path | None, model: str | None, overrides: dict[str, dict],
-                 problems: Problems | None = None, pin_hub: bool = True) -> Config | None:
-    """A Config from an optional YAML file, with ``--model`` and other flags on top.
-
-    ``overrides`` maps a section name to the flag values for it; None means not given. The file
+    ``overrides`` maps a section name to the flag values for it (``config_flags.overrides``); a
+    ``--model`` replaces the file's model and its ``make_if_missing``. The file
     and the flags are validated together, so every mistake in either is listed at once: added
     to ``problems`` (and None returned), or without it refused at once. A hub ID as model is
     taken from the local Hugging Face cache here (``pin_hub=False``: left for where it runs).
@@ -190,13 +66,13 @@ def build_config(config: Path | None, model: str | None, overrides: dict[str, di
     gathered = Problems() if problems is None else problems
     cfg = None
     with gathered.gather():
-        cfg = _merged_config(config, model, overrides, pin_hub)
+        cfg = _merged_config(config, overrides, pin_hub)
     if problems is None:
         gathered.raise_any()
     return cfg
 
 
-def _merged_config(config: Path | None, model: str | None, overrides: dict[str, dict], pin_hub: bool) -> Config:
+def _merged_config(config: Path | None, overrides: dict[str, dict], pin_hub: bool) -> Config:
     try:
         data = read_config_file(config) if config else {}
     except ConfigError as exc:
@@ -207,9 +83,8 @@ def _merged_config(config: Path | None, model: str | None, overrides: dict[str, 
     sections = {name: dict(data.get(name) or {}) for name in {"engine", *overrides}
                 if isinstance(data.get(name) or {}, dict)}
     engine = sections.get("engine", {})
-    if model is not None:
-        engine["model"] = model
-        engine.pop("make_if_missing", None)
+    if overrides.get("engine", {}).get("model") is not None:
+        engine.pop("make_if_missing", None)  # the file's checkpoint to make is not the model given
     for name, values in overrides.items():
         if name in sections:
             sections[name].update({k: v for k, v in values.items() if v is not None})

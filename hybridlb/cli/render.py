@@ -55,7 +55,7 @@ def render_k8s(
 
     try:
         overrides = {"lb": {"mode": lb.replace("-", "_")}} if lb else {}
-        cfg = whole_cluster(build_config(config, None, overrides, pin_hub=False))  # each pod reads its own cache
+        cfg = whole_cluster(build_config(config, overrides, pin_hub=False))  # each pod reads its own cache
         plan, _ = plan_of(cfg)
         options = PodOptions(image=image, model_pvc=model_pvc, model_host_path=model_host_path,
                              memory_gib=memory_gib, shm_gib=shm_gib, network_policy=network_policy,

@@ -32,7 +32,7 @@ LB_SWITCHES = {"--data-parallel-hybrid-lb": "hybrid", "--data-parallel-external-
                "--data-parallel-multi-port-external-lb": "multi_port"}
 DTYPES = {"auto": "auto", "half": "float16", "float16": "float16", "bfloat16": "bfloat16", "float": "float32",
           "float32": "float32"}
-QUANTIZATIONS = ("int8", "int4", "gguf")  # engine.quantization; any other method is vLLM's alone
+QUANTIZATIONS = ("int8", "int4", "gguf")  # engine.quantization (or none); any other method is vLLM's alone
 LENGTHS = {"--max-model-len", "--max-num-batched-tokens"}
 SIZE_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
 
@@ -216,9 +216,12 @@ class _Translation:
             else:
                 self.problems.append(f"--dtype {given}: use one of {', '.join(DTYPES)}")
         elif flag == "--quantization":
-            if given in QUANTIZATIONS:
+            if given in (*QUANTIZATIONS, "none"):
                 self.out += [flag, given]
-            elif given not in ("none", "None"):
+            elif given == "None":  # vLLM's unset: the default
+                self.notes.append("--quantization None: left unset, as vLLM reads it (a .gguf file stays quantized); "
+                                  "--quantization none serves the weights in --dtype")
+            else:
                 self.problems.append(f"--quantization {given}: hybridlb keeps weights quantized as one of "
                                      f"{', '.join(QUANTIZATIONS)} (CPU); serve the unquantized checkpoint with one of "
                                      "them, or drop the flag")

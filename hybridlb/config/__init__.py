@@ -4,10 +4,12 @@ One module per part of the tree: ``engine`` (the engine's sections) and ``cluste
 server, data parallel, load balancing, Ray); this module holds the root ``Config`` and
 the loaders, and is where everything is imported from (``from hybridlb.config import ...``).
 
-Every field is documented with ``Field(description=...)``; ``--help`` and the docs read
-from there. Models forbid unknown keys and are frozen: values resolved at run time
-(the model's real max length, the number of KV blocks) live in the component that
-resolved them, never back in here.
+Every field is documented with ``Field(description=...)``, and a field the command line
+sets declares its flag there too (``flags.flag``): the CLI's options, their ``--help`` and
+docs/configuration.md (``python -m hybridlb.config.doc``) are made from the fields. Models
+forbid unknown keys and are frozen: values resolved at run time (the model's real max
+length, the number of KV blocks) live in the component that resolved them, never back in
+here.
 """
 
 from __future__ import annotations
@@ -23,8 +25,6 @@ from hybridlb.config.engine import (
     MODEL_ALIASES,
     EngineConfig,
     KVEventsConfig,
-    LoRAConfig,
-    LoRAModuleConfig,
     MakeModelConfig,
     SimulateConfig,
     SpeculativeConfig,
@@ -33,6 +33,7 @@ from hybridlb.config.engine import (
     model_own_name,
 )
 from hybridlb.config.explain import problem_lines
+from hybridlb.config.lora import LoRAConfig, LoRAModuleConfig
 
 __all__ = ["MODEL_ALIASES", "ApiConfig", "Config", "ConfigError", "DataParallelConfig", "EngineConfig",
            "KVEventsConfig", "LoRAConfig", "LoRAModuleConfig",

@@ -8,20 +8,28 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from hybridlb.config.base import _Section, raise_all
+from hybridlb.config.flags import flag
+
+SERVE_PLAN = ("serve", "plan")  # the commands that take the cluster's layout
 
 
 class ApiConfig(_Section):
     """The OpenAI-compatible HTTP server of each node."""
 
-    host: str = Field("127.0.0.1", description="Interface to listen on; 0.0.0.0 for all (loopback by default).")
-    port: int = Field(8000, ge=0, le=65535, description="HTTP port.")
+    host: str = Field("127.0.0.1", description="Interface to listen on; 0.0.0.0 for all (loopback by default).",
+                      json_schema_extra=flag(vllm=True, commands=SERVE_PLAN))
+    port: int = Field(8000, ge=0, le=65535, description="HTTP port.",
+                      json_schema_extra=flag(vllm=True, commands=SERVE_PLAN))
     served_model_name: str | list[str] | None = Field(
         None, description="Model name clients send, or several (the first names the metrics); defaults to "
-        "engine.model exactly as given (for a bundled model, its own name first, e.g. SmolLM2-135M-Instruct)."
+        "engine.model exactly as given (for a bundled model, its own name first, e.g. SmolLM2-135M-Instruct).",
+        json_schema_extra=flag(vllm=True, parse="one_or_list",
+                               note="Repeat it, or list several after it as vLLM does."),
     )
     api_key: str | None = Field(
         None, description="Bearer token required on every route but /health, /load, /metrics and /version "
-        "(also read from HYBRIDLB_API_KEY, then VLLM_API_KEY)."
+        "(also read from HYBRIDLB_API_KEY, then VLLM_API_KEY).",
+        json_schema_extra=flag(vllm=True),
     )
     max_body_bytes: int = Field(8 * 2**20, ge=1024, description="Larger request bodies get 413.")
     max_body_bytes_in_flight: int = Field(
@@ -35,12 +43,14 @@ class ApiConfig(_Section):
     )
     max_concurrent_requests: int = Field(
         4096, ge=0, description="Requests one API server process works on at once (streams included); more get "
-        "429 with Retry-After. /health, /load, /metrics and /version are never refused. 0: no limit."
+        "429 with Retry-After. /health, /load, /metrics and /version are never refused. 0: no limit.",
+        json_schema_extra=flag(),
     )
     request_timeout_s: float = Field(
         300.0, ge=0, description="Fail a request (504) when its engine has sent nothing for it this long: a "
         "last line of defence against a lost output. A request waiting in a long queue counts as silent too, so "
-        "keep it above the longest queue wait plus prefill you expect. 0: never."
+        "keep it above the longest queue wait plus prefill you expect. 0: never.",
+        json_schema_extra=flag("--request-timeout"),
     )
     engine_stall_s: float = Field(
         10.0, ge=0, description="An engine with requests in flight that sends nothing (no output, no 1 s "
@@ -52,29 +62,36 @@ class ApiConfig(_Section):
         3, ge=0, description="Dense models: times one request may move to another engine of the node when its "
         "engine dies or is lost mid-stream; it goes on from the tokens it has, and the client's stream goes on "
         "without a gap (a greedy or seeded request gives the text it would have given). 0: fail such "
-        "requests. MoE lockstep groups always fail them (the group's collectives broke)."
+        "requests. MoE lockstep groups always fail them (the group's collectives broke).",
+        json_schema_extra=flag(),
     )
     log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = Field(
         "warning", description="The HTTP server's (uvicorn's) own log level: vLLM's --uvicorn-log-level. hybridlb's "
-        "own log lines follow the HYBRIDLB_LOG_LEVEL environment variable (default INFO).")
+        "own log lines follow the HYBRIDLB_LOG_LEVEL environment variable (default INFO).",
+        json_schema_extra=flag("--uvicorn-log-level", vllm=True))
     chat_template: str | None = Field(
-        None, description="Chat template replacing the checkpoint's own: a .jinja file or the template text."
+        None, description="Chat template replacing the checkpoint's own: a .jinja file or the template text.",
+        json_schema_extra=flag(vllm=True),
     )
     generation_config: str = Field(
         "auto", description="Sampling defaults for fields a request leaves unset: auto (the model's "
-        "generation_config.json), vllm (none: OpenAI's defaults) or a directory holding generation_config.json."
+        "generation_config.json), vllm (none: OpenAI's defaults) or a directory holding generation_config.json.",
+        json_schema_extra=flag(vllm=True),
     )
     tool_call_parser: Literal["hermes", "llama3_json", "mistral", "pythonic"] | None = Field(
         None, description="How tool calls are read out of the model's text (tool_choice auto); vLLM's "
-        "--tool-call-parser. Forced calls (required, a named function) need no parser."
+        "--tool-call-parser. Forced calls (required, a named function) need no parser.",
+        json_schema_extra=flag(vllm=True),
     )
     enable_auto_tool_choice: bool = Field(
         False, description="Allow tool_choice auto (the default when a request has tools): the model decides, "
-        "tool_call_parser reads its calls. vLLM's --enable-auto-tool-choice."
+        "tool_call_parser reads its calls. vLLM's --enable-auto-tool-choice.",
+        json_schema_extra=flag(vllm=True),
     )
     reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = Field(
         None, description="Split <think>...</think> into reasoning_content; structured output and tool calls "
-        "apply after it. vLLM's --reasoning-parser."
+        "apply after it. vLLM's --reasoning-parser.",
+        json_schema_extra=flag(vllm=True),
     )
 
     @model_validator(mode="after")
@@ -120,21 +137,32 @@ class DataParallelConfig(_Section):
         return (f"no cluster token: any host that reaches {self.address}:{self.rpc_port} can join the cluster (and "
                 "learn the key its other sockets use for this run); set --cluster-token")
 
-    size: int = Field(1, ge=1, description="Data-parallel ranks in the whole cluster.")
-    size_local: int | None = Field(None, ge=1, description="Ranks on this node; default: all (one node).")
-    start_rank: int = Field(0, ge=0, description="Global rank of this node's first engine.")
+    size: int = Field(1, ge=1, description="Data-parallel ranks in the whole cluster.",
+                      json_schema_extra=flag("--data-parallel-size", "-dp", vllm=True, commands=SERVE_PLAN))
+    size_local: int | None = Field(None, ge=1, description="Ranks on this node; default: all (one node).",
+                                   json_schema_extra=flag("--data-parallel-size-local", vllm=True, commands=SERVE_PLAN))
+    start_rank: int = Field(0, ge=0, description="Global rank of this node's first engine.",
+                            json_schema_extra=flag("--data-parallel-start-rank", vllm=True, commands=SERVE_PLAN))
     rank: int | None = Field(
-        None, ge=0, description="External LB: this server runs and serves exactly this one rank."
+        None, ge=0, description="External LB: this server runs and serves exactly this one rank.",
+        json_schema_extra=flag("--data-parallel-rank", vllm=True, commands=SERVE_PLAN),
     )
-    address: str = Field("127.0.0.1", description="Address of the start-rank-0 node (coordinator, rpc port).")
-    rpc_port: int = Field(29550, ge=1, le=65500, description="Handshake port on the head; the next few are its.")
+    address: str = Field("127.0.0.1", description="Address of the start-rank-0 node (coordinator, rpc port).",
+                         json_schema_extra=flag("--data-parallel-address", vllm=True, commands=SERVE_PLAN))
+    rpc_port: int = Field(
+        29550, ge=1, le=65500, description="Handshake port on the head node, which also takes rpc_port + 1 to + 4 "
+        "(the coordinator); internal-LB engines listen on rpc_port + 16 + rank.",
+        json_schema_extra=flag("--data-parallel-rpc-port", vllm=True, commands=SERVE_PLAN))
     node_address: str | None = Field(
-        None, description="Address other nodes reach this node at (internal LB); default: address if loopback."
+        None, description="Address other nodes reach this node at (internal LB); default: address if loopback.",
+        json_schema_extra=flag("--data-parallel-node-address", vllm=True, commands=SERVE_PLAN),
     )
-    headless: bool = Field(False, description="This node runs engines only, no API server.")
+    headless: bool = Field(False, description="This node runs engines only, no API server.",
+                           json_schema_extra=flag(vllm=True, commands=SERVE_PLAN))
     nodes: list[NodeConfig] | None = Field(None, description="The whole cluster, one entry per node.")
     cluster_token: str | None = Field(
-        None, description="Shared secret a node must present to join (also HYBRIDLB_CLUSTER_TOKEN)."
+        None, description="Shared secret a node must present to join (also HYBRIDLB_CLUSTER_TOKEN).",
+        json_schema_extra=flag(envvar="HYBRIDLB_CLUSTER_TOKEN"),
     )
     restart_policy: Literal["none", "restart"] = Field(
         "none",
@@ -142,19 +170,24 @@ class DataParallelConfig(_Section):
         "the rest. restart: bring it back in place (serve: the node restarts a dense engine, the coordinator "
         "or an API server, at most 3 times a minute each; a broken MoE group makes the node exit for its "
         "supervisor to recreate; up: Ray restarts the actor).",
+        json_schema_extra=flag(),
     )
 
 
 class LoadBalancingConfig(_Section):
+    """How requests are spread over the ranks: which API servers there are, and how they pick a rank."""
+
     mode: Literal["hybrid", "internal", "external", "multi_port"] = Field(
         "hybrid",
         description="hybrid: an API server per node over its own ranks; internal: API servers on the head "
         "over all ranks; external: one API server per rank, an outside balancer picks; multi_port: external's "
         "one API server per local rank (port + i) under a node supervisor whose port answers the node's "
         "probes (vLLM's --data-parallel-multi-port-external-lb, llm-d's pod shape).",
+        json_schema_extra=flag("--lb-mode", commands=SERVE_PLAN, parse="dashes"),
     )
     api_servers_per_node: int | Literal["auto"] = Field(
-        1, description="API server processes per node sharing its port (SO_REUSEPORT); auto: from local engines."
+        1, description="API server processes per node sharing its port (SO_REUSEPORT); auto: from local engines.",
+        json_schema_extra=flag(commands=SERVE_PLAN, parse="count_or_auto"),
     )
     policy: Literal["cache_aware", "least_loaded", "round_robin"] = Field(
         "cache_aware",
@@ -163,17 +196,23 @@ class LoadBalancingConfig(_Section):
         "it still has to go; never a rank 8 requests busier than the least "
         "loaded); least_loaded: lowest 4*waiting + running (+ own requests the stats do not show yet), ties "
         "rotate; round_robin: in turn.",
+        json_schema_extra=flag("--lb-policy"),
     )
     supervisor_port: int = Field(
         9256, ge=1, le=65535, description="multi_port: where the node supervisor answers /health, /ready and "
-        "/readyz for every local rank (vLLM's --data-parallel-supervisor-port)."
+        "/readyz for every local rank (vLLM's --data-parallel-supervisor-port).",
+        json_schema_extra=flag("--data-parallel-supervisor-port", vllm=True, commands=SERVE_PLAN),
     )
     supervisor_probe_interval_s: float = Field(
-        5.0, gt=0, description="multi_port: how often the supervisor probes each rank's /health.")
-    supervisor_probe_timeout_s: float = Field(5.0, gt=0, description="multi_port: how long one probe may take.")
+        5.0, gt=0, description="multi_port: how often the supervisor probes each rank's /health.",
+        json_schema_extra=flag("--dp-supervisor-probe-interval-s", vllm=True, commands=SERVE_PLAN))
+    supervisor_probe_timeout_s: float = Field(
+        5.0, gt=0, description="multi_port: how long one probe may take.",
+        json_schema_extra=flag("--dp-supervisor-probe-timeout-s", vllm=True, commands=SERVE_PLAN))
     supervisor_probe_failure_threshold: int = Field(
         3, ge=1, description="multi_port: failed probes in a row before a rank counts as down (a rank whose "
-        "process died is down at once).")
+        "process died is down at once).",
+        json_schema_extra=flag("--dp-supervisor-probe-failure-threshold", vllm=True, commands=SERVE_PLAN))
 
     @model_validator(mode="after")
     def _positive(self) -> LoadBalancingConfig:
@@ -186,9 +225,11 @@ class RayConfig(_Section):
     """How ``hybridlb up`` places the cluster on Ray."""
 
     address: str | None = Field(
-        None, description="Ray cluster to join ('auto' or HOST:PORT); none starts a private local one."
+        None, description="Ray cluster to join ('auto' or HOST:PORT); none starts a private local one.",
+        json_schema_extra=flag(commands=("up",)),
     )
-    name: str = Field("default", pattern=r"^[A-Za-z0-9_.-]+$", description="Cluster name in actor names.")
+    name: str = Field("default", pattern=r"^[A-Za-z0-9_.-]+$", description="Cluster name: actors are named "
+                      "hybridlb:<name>:<role>.", json_schema_extra=flag(commands=("up",)))
     namespace: str = Field("hybridlb", description="Ray namespace of every actor.")
     cpus_per_engine: float = Field(1.0, gt=0, description="Logical CPUs reserved per engine actor.")
     cpus_per_api_server: float = Field(1.0, ge=0, description="Logical CPUs reserved per API server actor.")

@@ -1,14 +1,17 @@
 """The engine's sections: ``engine`` (model, cache, batching, dtype), and inside it
-``make_if_missing``, ``simulate``, ``kv_events`` and ``structured_outputs``; the model aliases."""
+``make_if_missing``, ``simulate``, ``kv_events``, ``structured_outputs`` and ``speculative``
+(``lora``: ``hybridlb.config.lora``); the model aliases."""
 
 from __future__ import annotations
 
 import os
-from typing import Annotated, Literal
+from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from hybridlb.config.base import _Section, raise_all
+from hybridlb.config.flags import flag
+from hybridlb.config.lora import LoRAConfig
 from hybridlb.cpu_features import has_amx
 
 # Short names for models an installed package ships (nothing is downloaded): the model
@@ -58,9 +61,11 @@ class SimulateConfig(_Section):
     """A simulated engine: no weights, each step just sleeps. For measuring the control plane
     (coordinator, API server, load balancing) at scale; never a statement about model speed."""
 
-    step_ms: float = Field(gt=0, description="Time one engine step takes, in milliseconds.")
+    step_ms: float = Field(gt=0, description="Time one engine step takes, in milliseconds (the engines are "
+                           "SIMULATED: no model is loaded).", json_schema_extra=flag("--simulate-step-ms"))
     per_token_ms: float = Field(
-        0.0, ge=0, description="Extra step time per token computed in the step (prefill costs more), in ms."
+        0.0, ge=0, description="Extra step time per token computed in the step (prefill costs more), in ms.",
+        json_schema_extra=flag("--simulate-per-token-ms"),
     )
 
 
@@ -178,56 +183,6 @@ class SpeculativeConfig(_Section):
         return self
 
 
-class LoRAModuleConfig(_Section):
-    """One LoRA adapter served from the start (vLLM's --lora-modules entry)."""
-
-    name: str = Field(min_length=1, max_length=128, pattern=r"^[^\s,]+$",
-                      description="The name requests give as `model` (no spaces or commas).")
-    path: str = Field(min_length=1, description="The adapter directory (peft's save_pretrained: "
-                      "adapter_config.json + adapter_model.safetensors).")
-    base_model_name: str | None = Field(None, description="The `parent` /v1/models shows; default: the first "
-                                        "served model name.")
-
-
-class LoRAConfig(_Section):
-    """LoRA adapters (vLLM's --enable-lora and its options): requests name an adapter in `model`;
-    requests for different adapters and for the base model share one batch."""
-
-    modules: list[LoRAModuleConfig] = Field(default_factory=list, description="Adapters served from the start "
-                                            "(--lora-modules); more can be loaded at run time (docs/lora.md).")
-    max_loras: int = Field(1, ge=1, le=64, description="Adapters one engine holds at once (one batch mixes at most "
-                           "this many); loading another evicts the least recently used idle one.")
-    max_lora_rank: int = Field(16, ge=1, le=512, description="Highest adapter rank accepted (slots are sized to it).")
-    max_cpu_loras: int | None = Field(None, ge=1, description="Adapters an engine keeps read in memory, held or "
-                                      "not (default: max_loras); must be at least max_loras.")
-    load: Literal["lazy", "eager"] = Field(
-        "lazy", description="When engines read an adapter: lazy, when a request first needs it; eager, as soon as it "
-                            "is registered (at start-up, or by /v1/load_lora_adapter), each engine reading it into "
-                            "memory and into a free slot (none is evicted for it).")
-    allowed_roots: list[Annotated[str, Field(min_length=1)]] | None = Field(
-        None, description="Directories clients may load adapters from at run time (/v1/load_lora_adapter, with "
-        "VLLM_ALLOW_RUNTIME_LORA_UPDATING): a path is resolved (symlinks, ..) and must lie inside one. Default: "
-        "the directories holding the modules' adapters; with neither, runtime loading refuses every path. "
-        "Every path problem gets one error text, so clients cannot map the server's files (docs/lora.md).")
-
-    @model_validator(mode="after")
-    def _check(self) -> LoRAConfig:
-        problems = []
-        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
-            problems.append(f"max_cpu_loras ({self.max_cpu_loras}) is below max_loras ({self.max_loras}); raise it "
-                            "or leave it unset")
-        names = [m.name for m in self.modules]
-        if len(set(names)) < len(names):
-            problems.append(f"lora modules name {sorted({n for n in names if names.count(n) > 1})} twice; give "
-                            "each adapter its own name")
-        raise_all(problems)
-        return self
-
-    @property
-    def cpu_slots(self) -> int:
-        return self.max_cpu_loras or self.max_loras
-
-
 class EngineConfig(_Section):
     """What one engine (one data-parallel rank) needs to load a model and run it."""
 
@@ -247,48 +202,61 @@ class EngineConfig(_Section):
 
     model: str = Field(description="The checkpoint (never downloaded): a Hugging Face directory, a .gguf file "
                        "(or a directory holding one), package:DIST/PATH for a file inside an installed package, or a "
-                       "Hugging Face hub ID (org/name) found in the local Hugging Face cache (HF_HUB_CACHE, HF_HOME).")
+                       "Hugging Face hub ID (org/name) found in the local Hugging Face cache (HF_HUB_CACHE, HF_HOME).",
+                       json_schema_extra=flag(vllm=True, commands=("serve", "plan", "generate")))
     revision: str | None = Field(
         None, description="With a hub ID as model: the branch, tag or commit hash whose snapshot to take from the "
-        "local Hugging Face cache (vLLM's --revision). Default: main. No effect on a local path."
+        "local Hugging Face cache (vLLM's --revision). Default: main. No effect on a local path.",
+        json_schema_extra=flag(vllm=True),
     )
     tokenizer: str | None = Field(
         None, description="vLLM's --tokenizer, accepted when it names the model's own checkpoint (a path or hub ID "
-        "resolving to the same directory): the tokenizer is always read from the checkpoint served."
+        "resolving to the same directory): the tokenizer is always read from the checkpoint served.",
+        json_schema_extra=flag(vllm=True),
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Weight, activation and KV-cache dtype; auto is bfloat16 on CUDA and on CPUs "
-        "with native bfloat16 matmuls (AMX / AVX512-BF16, as vLLM does), else float32."
+        "with native bfloat16 matmuls (AMX / AVX512-BF16, as vLLM does), else float32.",
+        json_schema_extra=flag(vllm=True, commands=("serve", "generate")),
     )
-    device: Literal["cpu", "cuda"] = Field("cpu", description="Where the model runs.")
-    quantization: Literal["int8", "int4", "gguf"] | None = Field(
-        None, description="Keep the weights quantized in memory and run the matmuls on them (CPU; vLLM's "
+    device: Literal["cpu", "cuda"] = Field("cpu", description="Where the model runs.",
+                                           json_schema_extra=flag(commands=("serve", "generate")))
+    quantization: Literal["int8", "int4", "gguf", "none"] | None = Field(
+        None, json_schema_extra=flag("--quantization", "-q", vllm=True),
+        description="Keep the weights quantized in memory and run the matmuls on them (CPU; vLLM's "
         "--quantization). int8: per-channel int8, quantized at load; int4: 4-bit in groups of 32, quantized at "
         "load; gguf: a .gguf file's 4-bit tensors (Q4_0, Q4_1 exactly; Q4_K, Q5_*: regrouped) stay 4-bit, other "
         "types int8. The embedding is int8 in each; the output layer stays in dtype. Fewer bytes per token: "
-        "faster at low concurrency, slower at high (see docs/quantization.md). Default: none, a GGUF file is "
-        "dequantized to dtype."
+        "faster at low concurrency, slower at high (see docs/quantization.md). none: the weights in dtype; a GGUF "
+        "file is dequantized at load. Default: gguf for a .gguf file on device cpu in a dtype other than float16 "
+        "(as vLLM serves GGUF files; elsewhere it is dequantized, and the start-up line says why), none for other "
+        "checkpoints."
     )
     speculative: SpeculativeConfig | None = Field(
         None, description="Speculative decoding (vLLM's --speculative-config), method ngram: faster decoding "
-        "where outputs repeat their prompt (edits, rewrites, answers quoting a document). Default: none."
+        "where outputs repeat their prompt (edits, rewrites, answers quoting a document). Default: none.",
+        json_schema_extra=flag("--speculative-config", vllm=True, parse="json"),
     )
     lora: LoRAConfig | None = Field(
         None, description="Serve LoRA adapters of this model (vLLM's --enable-lora, --lora-modules, --max-loras). "
-        "Default: none."
+        "Default: none.",
+        json_schema_extra=flag("--enable-lora", vllm=True, parse="switch"),
     )
-    max_num_seqs: int = Field(64, ge=1, description="Most requests in one batch (running queue size).")
+    max_num_seqs: int = Field(64, ge=1, description="Most requests in one batch (running queue size).",
+                              json_schema_extra=flag(vllm=True))
     enforce_eager: bool = Field(
         False, description="Run every step layer by layer from Python (vLLM's --enforce-eager). By default a "
         "bfloat16 dense model on the C kernels replays its decode steps as one recorded call (the decode "
-        "program: the same kernels without Python between them, ~4 ms less per step on SmolLM2-135M)."
+        "program: the same kernels without Python between them, ~4 ms less per step on SmolLM2-135M).",
+        json_schema_extra=flag(vllm=True, negatable=False),
     )
     max_num_batched_tokens: int = Field(
         None, ge=16, description="Token budget of one step; longer prompts are prefilled "
         "in chunks. Smaller: first tokens sooner when prompts arrive together, each running request's tokens a "
         "little slower while they prefill. Default: 1024 on CPU (there a 2,048-token step of prefill takes ~1 s), "
         "512 on a CPU with AMX in bfloat16 (prompts prefill on its tiles, so small chunks cost little), 8192 on "
-        "CUDA."
+        "CUDA.",
+        json_schema_extra=flag(vllm=True, parse="length"),
     )
     max_failed_steps: int = Field(
         3, ge=0, description="Steps in a row that may raise before the engine counts as sick and exits (its "
@@ -297,24 +265,30 @@ class EngineConfig(_Section):
     )
     max_queued_requests: int = Field(
         1024, ge=1, description="Most requests waiting for a batch slot; beyond it the engine refuses new ones "
-        "and the API server tries another engine or answers 429 with Retry-After."
+        "and the API server tries another engine or answers 429 with Retry-After.",
+        json_schema_extra=flag(),
     )
     max_model_len: int | None = Field(
-        None, ge=2, description="Longest prompt plus output; defaults to the checkpoint's max positions."
+        None, ge=2, description="Longest prompt plus output; defaults to the checkpoint's max positions.",
+        json_schema_extra=flag(vllm=True, commands=("serve", "generate"), parse="length"),
     )
-    block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV-cache block.")
+    block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV-cache block.",
+                            json_schema_extra=flag(vllm=True))
     kv_cache_gib: float = Field(0.5, gt=0, description="Memory given to the KV cache, in GiB (CPU; on CUDA "
-                                "unless gpu_memory_utilization is set).")
+                                "unless gpu_memory_utilization is set).", json_schema_extra=flag())
     gpu_memory_utilization: float | None = Field(
         None, gt=0, le=1, description="CUDA: size the KV cache to fill this fraction of the GPU's memory, "
-        "after the weights and a forward pass's activations (vLLM's --gpu-memory-utilization)."
+        "after the weights and a forward pass's activations (vLLM's --gpu-memory-utilization).",
+        json_schema_extra=flag(vllm=True),
     )
     prefix_caching: bool = Field(
         True, description="Reuse the KV blocks of a prompt prefix an earlier request computed (vLLM's "
-        "automatic prefix caching); false computes every prompt from scratch."
+        "automatic prefix caching); false computes every prompt from scratch.",
+        json_schema_extra=flag("--enable-prefix-caching", vllm=True),
     )
     kv_events: KVEventsConfig | None = Field(
-        None, description="Publish KV-cache events (vLLM's --kv-events-config); needs prefix_caching."
+        None, description="Publish KV-cache events (vLLM's --kv-events-config); needs prefix_caching.",
+        json_schema_extra=flag("--kv-events-config", vllm=True, parse="json"),
     )
     num_kv_blocks: int | None = Field(
         None, ge=1, description="Exact number of KV blocks; overrides kv_cache_gib (tests use it)."
@@ -322,26 +296,32 @@ class EngineConfig(_Section):
     make_if_missing: MakeModelConfig | None = Field(
         None, description="If set and engine.model does not exist, write this random checkpoint there first."
     )
-    seed: int = Field(0, description="Seed for requests that do not set their own.")
+    seed: int = Field(0, description="Seed for requests that do not set their own.", json_schema_extra=flag(vllm=True))
     expert_parallel: bool = Field(
-        False, description="MoE with data parallelism: shard experts over the ranks, which then step in lockstep."
+        False, description="MoE with data parallelism: shard experts over the ranks, which then step in lockstep.",
+        json_schema_extra=flag("--enable-expert-parallel", vllm=True, commands=("serve", "plan")),
     )
     async_dp_coordination: bool = Field(
-        True, description="Expert parallel: overlap each step's metadata exchange with its execution."
+        True, description="Expert parallel: overlap each step's metadata exchange with its execution.",
+        json_schema_extra=flag(),
     )
     dp_timeout_s: float = Field(
-        120.0, gt=0, description="Expert parallel: give up on a collective after this long (a wedged rank)."
+        120.0, gt=0, description="Expert parallel: give up on a collective after this long (a wedged rank).",
+        json_schema_extra=flag("--dp-timeout"),
     )
     torch_threads: int = Field(
-        0, ge=0, description="Torch intra-op threads; 0 splits this machine's cores among its engines."
+        0, ge=0, description="Torch intra-op threads; 0 splits this machine's cores among its engines.",
+        json_schema_extra=flag(),
     )
     share_cores: bool = Field(
         True, description="With torch_threads 0 and several engines on a node: an engine that steps while "
-        "the node's other engines wait for work uses their cores too (lower latency at low load)."
+        "the node's other engines wait for work uses their cores too (lower latency at low load).",
+        json_schema_extra=flag(),
     )
     structured_outputs: StructuredOutputsConfig = Field(
         default_factory=StructuredOutputsConfig, description="Constrained decoding (JSON schemas, regexes, "
-        "grammars, forced tool calls)."
+        "grammars, forced tool calls).",
+        json_schema_extra=flag("--structured-outputs-config", vllm=True, parse="json"),
     )
     simulate: SimulateConfig | None = Field(
         None, description="SIMULATED engines (no weights loaded; steps sleep, tokens echo the prompt), for "
@@ -364,10 +344,11 @@ class EngineConfig(_Section):
         if self.kv_events is not None and self.kv_events.enabled and not self.prefix_caching:
             problems.append("engine.kv_events reports prefix-cache blocks, but engine.prefix_caching is false; "
                             "turn prefix caching on or drop kv_events")
-        if self.quantization is not None and self.device != "cpu":
+        quantized = self.quantization not in (None, "none")
+        if quantized and self.device != "cpu":
             problems.append(f"engine.quantization {self.quantization} runs torch's CPU kernels; use device: cpu "
-                            "or drop quantization")
-        if self.quantization is not None and self.dtype == "float16":
+                            "or quantization none")
+        if quantized and self.dtype == "float16":
             problems.append("engine.quantization needs dtype bfloat16, float32 or auto (torch's CPU weight-only "
                             "kernels take no float16)")
         if self.simulate is not None and self.expert_parallel:

@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from hybridlb import lifecycle
+from hybridlb import kernels, lifecycle
 from hybridlb.checkpoint.gguf import release_readers
 from hybridlb.checkpoint.spec import load_spec
 from hybridlb.config import EngineConfig
@@ -17,7 +17,8 @@ from hybridlb.engine.expert_parallel import ExpertParallel, expert_range, init_g
 from hybridlb.engine.request import Request
 from hybridlb.engine.sampler import Sampler
 from hybridlb.engine.scheduler import ScheduledChunk
-from hybridlb.model import kernels, memory
+from hybridlb.engine.weights import engine_quantization, is_gguf, weights_summary
+from hybridlb.model import memory
 from hybridlb.model.attention import AttentionBatch, DecodeGroup, PagedTable, PrefillChunk
 from hybridlb.model.decode_program import DecodeProgram
 from hybridlb.model.loader import load_model
@@ -70,9 +71,11 @@ class ModelRunner:
             group, meta_group = init_group(dp.rendezvous, dp.rank, dp.size, self.device, config.dp_timeout_s,
                                            dp.address)
             self.ep = ExpertParallel(dp.rank, dp.size, self.device, group, meta_group, config.async_dp_coordination)
-        self.quantization = config.quantization
+        gguf_file = is_gguf(config)
+        self.quantization = engine_quantization(config, gguf_file)
+        self.weights = weights_summary(config, gguf_file)
         self.model = load_model(config.model, self.spec, self.dtype, self.device, self.max_model_len, experts,
-                                self.ep, config.quantization)
+                                self.ep, self.quantization)
         fits = kernels.fit(self.device, self.dtype, self.spec.num_heads // self.spec.num_kv_heads,
                            self.spec.head_dim, self.block_size)
         self.kernels = kernels.load() if fits else None
@@ -96,8 +99,8 @@ class ModelRunner:
         self._draft_logits: dict[int, torch.Tensor] = {}  # the last step's draft rows, per request
 
     def label(self) -> str:
-        weights = f", weights {self.quantization}" if self.quantization else ""
-        return f"{self.spec.architecture} in {str(self.dtype).removeprefix('torch.')}{weights} on {self.device}"
+        weights = f", {self.weights}" if self.weights else ""
+        return f"{self.spec.architecture} in {str(self.dtype).removeprefix('torch.')} on {self.device}{weights}"
 
     def check_lora(self, lora: LoRARequest) -> None:
         """Read a request's adapter (AdapterError if it cannot be served); kept for its first step."""

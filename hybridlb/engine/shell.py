@@ -346,8 +346,8 @@ def run_engine(config: EngineConfig, dp: DPContext, address: str, torch_threads:
             errors.send(f"{type(exc).__name__}: {exc}")
         raise SystemExit(1) from None
     lifecycle.on_terminate(shell.stop)
-    log.info("engine %d serving at %s (%d KV blocks%s)", dp.rank, address, shell.core.num_kv_blocks,
-             ", experts sharded, lockstep" if shell.lockstep else "")
+    log.info("engine %d serving at %s (%s; %d KV blocks%s)", dp.rank, address, shell.core.label(),
+             shell.core.num_kv_blocks, ", experts sharded, lockstep" if shell.lockstep else "")
     if config.simulate is not None:
         log.warning("engine %d is a %s: its speed says nothing about the model", dp.rank, shell.core.label())
     try:

@@ -1,7 +1,7 @@
 """Paged attention over a block-structured KV cache.
 
 A step's tokens are laid out flat: first one token per decoding sequence (longest
-context first), then each prefill chunk. With the C kernels (``kernels.py``) one call
+context first), then each prefill chunk. With the C kernels (``hybridlb.kernels``) one call
 reads each sequence's blocks in place (``PagedTable``) for the decodes and every prompt
 chunk (on CPUs without AMX, at every prompt length measured, 32 to 2,048 tokens, it is
 1.3-2x faster than torch's flash attention called per prompt). Where the CPU has AMX, torch's
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridlb.model.kernels import CPUKernels
+from hybridlb.kernels import CPUKernels
 
 
 @dataclass
@@ -75,7 +75,7 @@ class PagedAttention(nn.Module):
         """Key and value cache shapes: [blocks, block_size, kv_heads, dim] each for torch; for
         the kernels keys [blocks, kv_heads, dim, block_size] and values [blocks, kv_heads,
         block_size, dim], in bfloat16 holding pairs side by side (see rope_store in
-        csrc/kernels_body.h)."""
+        kernels/csrc/kernels_body.h)."""
         heads, dim = self.num_kv_heads, self.head_dim
         if self.kernels is None:
             return (num_blocks, block_size, heads, dim), (num_blocks, block_size, heads, dim)

@@ -4,7 +4,7 @@ Eagerly, a bfloat16 decoder layer on the C kernels is ~8 calls from Python (norm
 RoPE and KV store, attention, SiLU-and-mul), each through ctypes with its output allocated by
 torch: a fixed ~15 µs a call. On SmolLM2-135M at batch 1 that is ~4 ms of a ~10 ms step, as long as
 streaming its 4-bit weights. The program records those calls once, every pointer fixed (buffers
-of its own, as wide as the most rows a step may have), and ``csrc/program.c`` replays them for each
+of its own, as wide as the most rows a step may have), and ``kernels/csrc/program.c`` replays them for each
 step whose every token attends on the kernel: decodes, speculative drafts and (where the CPU has no
 AMX, or a chunk continues a cached context) prompt chunks of up to ``max_rows`` tokens in all. What
 changes per step (the rows, their positions and KV slots, the attention's sequences) comes with
@@ -25,16 +25,13 @@ import struct
 
 import torch
 
+from hybridlb.kernels import PROGRAM_OP_WORDS, CPUKernels, Op, ProgramStep
 from hybridlb.model.attention import PagedTable
-from hybridlb.model.kernels import CPUKernels
 from hybridlb.model.layers import DenseMLP, PackedLinear
 from hybridlb.model.quantized import Int4Linear, Int8Linear
 from hybridlb.model.transformer import CausalLM
 
 log = logging.getLogger(__name__)
-
-OP_WORDS = 20  # csrc/program.c's OP_WORDS and operation kinds
-NORM, BF16, INT4, INT8, ROPE, ATTENTION, SILU = range(1, 8)
 
 
 def _float_bits(value: float) -> int:
@@ -66,11 +63,11 @@ def _matmul(linear: torch.nn.Module) -> tuple[int, int, list[int]] | None:
     """(kind, weight pointer, extra words) of a projection on the kernels, or None."""
     bias = 0 if getattr(linear, "bias", None) is None else linear.bias.data_ptr()
     if isinstance(linear, PackedLinear) and linear.kernels is not None:
-        return BF16, linear.packed.data_ptr(), [bias]
+        return Op.BF16, linear.packed.data_ptr(), [bias]
     if isinstance(linear, Int4Linear) and linear.kernels is not None:
-        return INT4, linear.blocks.data_ptr(), [bias]
+        return Op.INT4, linear.blocks.data_ptr(), [bias]
     if isinstance(linear, Int8Linear) and linear.kernels is not None:
-        return INT8, linear.packed.data_ptr(), [bias, linear.code_sums.data_ptr(), linear.scale.data_ptr()]
+        return Op.INT8, linear.packed.data_ptr(), [bias, linear.code_sums.data_ptr(), linear.scale.data_ptr()]
     return None
 
 
@@ -95,7 +92,7 @@ class DecodeProgram:
         ops: list[list[int]] = []
 
         def norm(x: torch.Tensor, residual: torch.Tensor | None, module, out: torch.Tensor) -> None:
-            ops.append([NORM, x.data_ptr(), x.shape[1], 0 if residual is None else residual.data_ptr(),
+            ops.append([Op.NORM, x.data_ptr(), x.shape[1], 0 if residual is None else residual.data_ptr(),
                         module.weight.data_ptr(), out.data_ptr(), x.shape[1], _float_bits(module.eps)])
 
         def matmul(linear, x: torch.Tensor, out: torch.Tensor) -> None:
@@ -112,21 +109,20 @@ class DecodeProgram:
             matmul(attn.qkv, self.normed, self.qkv)
             q, k, v = (self.qkv.data_ptr() + element * offset for offset in (0, heads * dim, (heads + kv_heads) * dim))
             block_size = cache.v_cache.shape[2]
-            ops.append([ROPE, q, qkv_width, k, qkv_width, v, qkv_width, attn.rotary.cos.data_ptr(),
+            ops.append([Op.ROPE, q, qkv_width, k, qkv_width, v, qkv_width, attn.rotary.cos.data_ptr(),
                         attn.rotary.sin.data_ptr(), cache.k_cache.data_ptr(), cache.v_cache.data_ptr(), heads,
                         kv_heads, dim, block_size])
-            ops.append([ATTENTION, q, qkv_width, cache.k_cache.data_ptr(), cache.v_cache.data_ptr(),
+            ops.append([Op.ATTENTION, q, qkv_width, cache.k_cache.data_ptr(), cache.v_cache.data_ptr(),
                         self.attended.data_ptr(), heads, kv_heads, dim, block_size, _float_bits(cache.scale)])
             matmul(attn.o, self.attended, self.projected)
             norm(self.projected, self.residual, layer.post_attn_norm, self.normed)
             matmul(layer.mlp.gate_up, self.normed, self.gate_up)
-            ops.append([SILU, self.gate_up.data_ptr(), self.activated.data_ptr(), inter])
+            ops.append([Op.SILU, self.gate_up.data_ptr(), self.activated.data_ptr(), inter])
             matmul(layer.mlp.down, self.activated, self.mlp_out)
         norm(self.mlp_out, self.residual, model.norm, self.hidden)
-        self.ops = torch.tensor([op + [0] * (OP_WORDS - len(op)) for op in ops], dtype=torch.int64)
+        self.ops = torch.tensor([op + [0] * (PROGRAM_OP_WORDS - len(op)) for op in ops], dtype=torch.int64)
         self.count = len(ops)
         self._run = kernels.program_run
-        self._step = (ctypes.c_int64 * 7)()
         self.steps = self.rows = 0  # steps replayed, and their rows (tokens)
 
     @classmethod
@@ -147,9 +143,9 @@ class DecodeProgram:
             raise ValueError(f"a decode program step takes 1 to {self.max_rows} rows, all in one kernel table from "
                              f"row 0, not {rows} rows with a table of {int(table.query_start[-1])} at {table.row}")
         self.residual[:rows].copy_(self.model.embed(input_ids))
-        self._step[:] = [positions.data_ptr(), slots.data_ptr(), table.blocks.data_ptr(), table.blocks.shape[1],
-                         table.query_start.data_ptr(), table.lengths.data_ptr(), table.lengths.shape[0]]
-        failed = self._run(self.ops.data_ptr(), self.count, rows, ctypes.addressof(self._step),
+        step = ProgramStep(positions.data_ptr(), slots.data_ptr(), table.blocks.data_ptr(), table.blocks.shape[1],
+                           table.query_start.data_ptr(), table.lengths.data_ptr(), table.lengths.shape[0])
+        failed = self._run(self.ops.data_ptr(), self.count, rows, ctypes.addressof(step),
                            torch.get_num_threads())
         if failed >= 0:
             raise RuntimeError(f"decode program: operation {failed} has an unknown kind {int(self.ops[failed, 0])}")

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridlb.model.kernels import CPUKernels, bf16_fits
+from hybridlb.kernels import CPUKernels, bf16_fits
 
 
 class RMSNorm(nn.Module):

@@ -17,9 +17,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from hybridlb import kernels
 from hybridlb.checkpoint.path import CheckpointError, resolve
 from hybridlb.checkpoint.spec import ModelSpec
-from hybridlb.model import kernels
 from hybridlb.model.layers import ExpertDispatch, RotaryEmbedding
 from hybridlb.model.quantized import Int8Embedding, Int8GroupLinear, int8_groups, int8_rows, quantized_linear
 from hybridlb.model.transformer import CausalLM

@@ -25,7 +25,7 @@ from torch import nn
 
 from hybridlb.checkpoint.lora import AdapterInfo, module_shape, read_adapter
 from hybridlb.checkpoint.spec import ModelSpec
-from hybridlb.model.kernels import CPUKernels
+from hybridlb.kernels import CPUKernels
 from hybridlb.params import LoRARequest
 
 # The fused projections of a decoder layer and the PEFT modules they hold, in column order.

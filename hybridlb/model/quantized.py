@@ -2,11 +2,11 @@
 the engine's int8 kernel or torch's CPU weight-only kernels, never holding a dequantized copy.
 
 * ``Int8Linear``: one int8 code per weight, one scale per output row (symmetric), on the engine's
-  own kernel at every batch (``csrc/int8.c``: the codes in panels streamed once, multiplied as
+  own kernel at every batch (``kernels/csrc/int8.c``: the codes in panels streamed once, multiplied as
   integers, AVX-512 VNNI); on CPUs without VNNI on ``torch._weight_int8pack_mm``.
 * ``Int4Linear``: a 4-bit code per weight and, per block of ``GROUP`` (32) weights of a row, a scale
   and a low value: ``w = scale * code + low``, multiplied with bfloat16 activations (in float32 engines
-  too) on the engine's own kernel (``csrc/int4.c``: codes in panels, scale and low in float16, AVX-512
+  too) on the engine's own kernel (``kernels/csrc/int4.c``: codes in panels, scale and low in float16, AVX-512
   BF16), elsewhere on torch's ``_weight_int4pack_mm_for_cpu`` (``w = scale * (code - 8) + zero``).
   GGUF's Q4_0 / Q4_1 blocks are exactly this grid (32 values, an affine 4-bit code, float16 scale and
   low), so their codes are kept as the file has them.
@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridlb.model import kernels
+from hybridlb import kernels
 
 GROUP = 32
 PACK_ROWS = 16  # torch's 4-bit packing takes output sizes divisible by this (others are kept as int8)

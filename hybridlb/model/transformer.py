@@ -12,9 +12,9 @@ from torch import nn
 
 from hybridlb.checkpoint.spec import ModelSpec
 from hybridlb.cpu_features import has_onednn_bfloat16_packing
+from hybridlb.kernels import CPUKernels
 from hybridlb.model import memory
 from hybridlb.model.attention import AttentionBatch, PagedAttention
-from hybridlb.model.kernels import CPUKernels
 from hybridlb.model.layers import DenseMLP, ExpertDispatch, MoEBlock, PackedLinear, RMSNorm, RotaryEmbedding
 from hybridlb.model.quantized import GROUP_ROWS_MAX, Int8GroupLinear
 

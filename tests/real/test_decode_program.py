@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybridlb import LLM, SamplingParams
-from hybridlb.model import kernels
+from hybridlb import LLM, SamplingParams, kernels
 from tests.conftest import PROMPTS, SMOLLM2
 from tests.real.test_speculative import COPY_PROMPTS, SPEC
 
@@ -19,7 +18,8 @@ SUPPORTED = {"bf16": BF16, "int8": BF16 and K.int8_matmul_supported, "gguf": BF1
 
 
 def run(case: str, eager: bool):
-    options = {"quantization": case} if case in ("int8", "gguf") else {}
+    # bf16 and speculative: the file dequantized (its dense path; the gguf case is its 4-bit one)
+    options = {"quantization": case if case in ("int8", "gguf") else "none"}
     if case == "speculative":
         options["speculative"] = SPEC
     llm = LLM(SMOLLM2, dtype="bfloat16", enforce_eager=eager, max_model_len=512, num_kv_blocks=128, **options)

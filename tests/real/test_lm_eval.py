@@ -1,5 +1,5 @@
 """lm-evaluation-harness against the real-model server, as its users run it: `lm_eval --model
-local-completions` on the repository's local tasks (tests/evals), loglikelihood and
+local-completions` on the repository's local tasks (tests/real/evals), loglikelihood and
 generate_until. Each scored choice's log-likelihood equals transformers' (float32) for the
 same tokens, and each generation equals transformers' greedy text."""
 

@@ -16,7 +16,7 @@ import openai
 import pytest
 import torch
 
-from tests.servers import Server, start_servers
+from hybridlb.testing.servers import Server, start_servers
 
 # name -> (rank, alpha, target modules): different ranks, modules and scalings.
 ADAPTERS = {

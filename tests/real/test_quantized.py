@@ -9,12 +9,11 @@ import openai
 import pytest
 import torch
 
-from hybridlb import LLM, SamplingParams
-from hybridlb.model import kernels
+from hybridlb import LLM, SamplingParams, kernels
 from hybridlb.model.quantized import Int4Linear, Int8GroupLinear
+from hybridlb.testing.servers import Server, start_servers
 from tests.conftest import PROMPTS, SMOLLM2
 from tests.real.lm_eval_runner import run_lm_eval
-from tests.servers import Server, start_servers
 
 AGREE_TOKENS = 16
 # float32, so that what differs is the quantization alone (bfloat16 kernels round differently on each
@@ -26,7 +25,7 @@ COMMON = ("--dtype", "float32", "--max-model-len", "1024", "--kv-cache-gib", "0.
 def servers(smollm2_hf_dir):
     """(dequantized, kept-quantized, int8 at load) servers of the same weights: the GGUF file twice, and
     the float32 Hugging Face directory transformers makes of it."""
-    dense = Server(SMOLLM2, "--served-model-name", "smollm2", *COMMON)
+    dense = Server(SMOLLM2, "--served-model-name", "smollm2", "--quantization", "none", *COMMON)
     kept = Server(SMOLLM2, "--served-model-name", "smollm2", "--quantization", "gguf", *COMMON)
     int8 = Server(smollm2_hf_dir, "--served-model-name", "smollm2", "--quantization", "int8", *COMMON)
     started = start_servers(dense, kept, int8)
@@ -76,7 +75,7 @@ def test_kept_quantized_greedy_output_follows_the_dequantized_engine(servers):
 
 
 def test_lm_eval_scores_within_2_points_of_the_dequantized_engine(servers, smollm2_hf_dir, tmp_path):
-    """The repository's lm-eval tasks (tests/evals: 50 multiple-choice log-likelihood questions, 50 short
+    """The repository's lm-eval tasks (tests/real/evals: 50 multiple-choice log-likelihood questions, 50 short
     generations) through lm_eval's local-completions client, as users score a model: the file's 4-bit
     blocks kept, and int8 quantized at load, each within 2 points of the float32 engine."""
     pytest.importorskip("lm_eval")
@@ -123,6 +122,6 @@ def test_bfloat16_engine_runs_4_bit_blocks_on_its_own_kernel_and_follows_the_deq
     assert torch.equal(model.embed(ids), model.lm_head.rows(ids).to(torch.bfloat16))
     ours = [o.token_ids for o in kept.generate(PROMPTS, greedy)]
     del kept
-    reference = [o.token_ids for o in LLM(SMOLLM2, **options).generate(PROMPTS, greedy)]
+    reference = [o.token_ids for o in LLM(SMOLLM2, quantization="none", **options).generate(PROMPTS, greedy)]
     agreed = [_agreed(a, b) for a, b in zip(ours, reference, strict=True)]
     assert sum(n == AGREE_TOKENS for n in agreed) >= 5, agreed

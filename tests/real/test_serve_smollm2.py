@@ -8,8 +8,8 @@ import openai
 import pytest
 
 from hybridlb.cli.server_status import server_status as describe
-from tests.api.test_load import metric
 from tests.conftest import PROMPTS, REAL_NEW_TOKENS, reference_greedy
+from tests.process.api.test_load import metric
 
 CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
 

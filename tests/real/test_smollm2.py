@@ -1,6 +1,7 @@
 """A real checkpoint, SmolLM2-135M-Instruct, loaded from its GGUF file and from the Hugging Face
 directory transformers 5 saves (tied embeddings, chat_template.jinja): greedy tokens, the
-tokenizer and the chat template all equal transformers'."""
+tokenizer and the chat template all equal transformers'. Compared with transformers, which
+dequantizes the file, the engine does too (``quantization="none"``)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def real_model(request, smollm2_hf_dir) -> str:
 
 
 def test_greedy_tokens_equal_transformers_alone_and_batched(real_model, smollm2_reference):
-    llm = LLM(real_model, max_model_len=512, num_kv_blocks=256, dtype="float32")
+    llm = LLM(real_model, max_model_len=512, num_kv_blocks=256, dtype="float32", quantization="none")
     batched = llm.generate(PROMPTS, GREEDY)
     expected = [smollm2_reference[p] for p in PROMPTS]
     assert sum(len(set(tokens)) for tokens in expected) / len(expected) >= 5, "the reference is degenerate"
@@ -48,7 +49,8 @@ def test_long_prompts_whole_and_chunked_equal_transformers(smollm2_transformers)
     expected = reference_greedy(model, prompts, 16)
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     for budget in (2048, 40):  # whole prompts; 40-token chunks (a later chunk shares its step with decodes)
-        llm = LLM(SMOLLM2, max_model_len=512, num_kv_blocks=64, dtype="float32", max_num_batched_tokens=budget)
+        llm = LLM(SMOLLM2, max_model_len=512, num_kv_blocks=64, dtype="float32", max_num_batched_tokens=budget,
+                  quantization="none")
         assert [o.token_ids for o in llm.generate(prompts, params)] == expected, f"budget {budget}"
 
 
@@ -61,7 +63,8 @@ def test_logprobs_equal_transformers_log_softmax(smollm2_transformers):
     prompt = tokenizer.encode(PROMPTS[1])
     params = SamplingParams(max_tokens=8, temperature=0.8, seed=3, ignore_eos=True, logprobs=5, prompt_logprobs=3)
     for budget in (2048, 16):
-        llm = LLM(SMOLLM2, max_model_len=512, num_kv_blocks=64, dtype="float32", max_num_batched_tokens=budget)
+        llm = LLM(SMOLLM2, max_model_len=512, num_kv_blocks=64, dtype="float32", max_num_batched_tokens=budget,
+                  quantization="none")
         out = llm.generate([prompt], params)[0]
         with torch.no_grad():
             expected = torch.log_softmax(model(torch.tensor([prompt + out.token_ids])).logits[0].float(), dim=-1)
@@ -86,7 +89,7 @@ def test_openai_penalties_and_logit_bias_follow_their_definition(smollm2_transfo
 
     model, tokenizer = smollm2_transformers
     prompt, biased = tokenizer.encode(PROMPTS[6]), tokenizer.encode(" the")[0]
-    llm = LLM(SMOLLM2, max_model_len=512, num_kv_blocks=64, dtype="float32")
+    llm = LLM(SMOLLM2, max_model_len=512, num_kv_blocks=64, dtype="float32", quantization="none")
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, presence_penalty=0.8,
                             frequency_penalty=0.6, logit_bias={biased: 6.0})
     got = llm.generate([prompt], params)[0].token_ids
@@ -144,7 +147,7 @@ def test_bfloat16_tokens_stay_in_transformers_bfloat16_top5(smollm2_transformers
     import torch
 
     reference = copy.deepcopy(smollm2_transformers[0]).to(torch.bfloat16)
-    llm = LLM(SMOLLM2, max_model_len=512, num_kv_blocks=256, dtype="bfloat16")
+    llm = LLM(SMOLLM2, max_model_len=512, num_kv_blocks=256, dtype="bfloat16", quantization="none")
     runner = llm.engine.runner
     assert runner.flash_prompts == (runner.kernels is not None and runner.kernels.tiles)
     for out in llm.generate([*PROMPTS, " ".join(PROMPTS)], GREEDY):

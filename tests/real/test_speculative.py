@@ -1,5 +1,7 @@
 """Speculative decoding by n-gram prompt lookup on the real SmolLM2-135M-Instruct: outputs are
-exactly what they are without it (greedy and seeded sampling, float32), batched with requests
+exactly what they are without it (greedy and seeded sampling, float32, the file dequantized: kept
+4-bit, each projection rounds its inputs to bfloat16, which turns the last-bit differences between a
+decode step and a verify step's attention into logprob differences of ~1e-3), batched with requests
 that draft nothing, through chunked prefill, preemption, a JSON schema and logprobs; unseeded
 sampling keeps its distribution; and `hybridlb serve --speculative-config` serves the same text
 through the openai SDK and counts drafts in vLLM's metrics."""
@@ -15,8 +17,8 @@ import pytest
 
 from hybridlb import LLM, SamplingParams
 from hybridlb.params import Constraint
+from hybridlb.testing.servers import start_server
 from tests.conftest import PROMPTS, SMOLLM2
-from tests.servers import start_server
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 TEXT = ("The committee met on Tuesday to review the budget. After a long discussion, it agreed to fund the new "
@@ -32,14 +34,14 @@ GREEDY = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def base():
-    return LLM(SMOLLM2, max_model_len=512, num_kv_blocks=128, dtype="float32")
+    return LLM(SMOLLM2, max_model_len=512, num_kv_blocks=128, dtype="float32", quantization="none")
 
 
 @pytest.fixture(scope="module")
 def spec():
     """Drafts as long as the config allows: how long they pay is the machine's own step-time curve
-    (unit-tested in tests/test_speculative.py); these tests are about what a draft must never change."""
-    llm = LLM(SMOLLM2, max_model_len=512, num_kv_blocks=128, dtype="float32", speculative=SPEC)
+    (unit-tested in tests/unit/test_speculative.py); these tests are about what a draft must never change."""
+    llm = LLM(SMOLLM2, max_model_len=512, num_kv_blocks=128, dtype="float32", quantization="none", speculative=SPEC)
     llm.engine.scheduler.proposer.cost.threshold = lambda batch: 0.0  # every row free
     return llm
 
@@ -85,7 +87,7 @@ def test_composes_with_chunked_prefill_preemption_grammar_and_logprobs(base):
     expected = base.generate(prompts, params)
     json.loads(expected[0].text)
     tight = LLM(SMOLLM2, max_model_len=256, num_kv_blocks=24, max_num_batched_tokens=40, dtype="float32",
-                speculative=SPEC)
+                quantization="none", speculative=SPEC)
     got = tight.generate(prompts, params)
     assert _tokens(got) == _tokens(expected)
     assert tight.engine.scheduler.num_preemptions > 0, "the cache was not tight enough to preempt"
@@ -126,8 +128,8 @@ def test_unseeded_sampling_keeps_its_distribution():
 
 
 def test_serve_speculative_config_through_the_sdk(smollm2_server):
-    server = start_server(SMOLLM2, "--served-model-name", "smollm2", "--dtype", "float32",
-                          "--speculative-config", json.dumps(SPEC))
+    server = start_server(SMOLLM2, "--served-model-name", "smollm2", "--dtype", "float32", "--quantization", "none",
+                          "--speculative-config", json.dumps(SPEC))  # smollm2_server's weights
     try:
         messages = [{"role": "user", "content": f"Repeat this text exactly: {TEXT}"}]
         texts = []

@@ -1,0 +1,71 @@
+"""Process trees as /proc shows them: descendants, resident memory, CPU time, quiet."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+
+def process_tree(pid: int) -> list[int]:
+    """A process and all its descendants."""
+    found, stack = [], [pid]
+    while stack:
+        current = stack.pop()
+        try:
+            for task in Path(f"/proc/{current}/task").iterdir():
+                stack += [int(c) for c in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        found.append(current)
+    return found
+
+
+def tree_rss_mib(pid: int) -> float:
+    """Resident memory of a process and all its descendants."""
+    total = 0
+    for current in process_tree(pid):
+        try:
+            status = Path(f"/proc/{current}/status").read_text()
+            total += int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS")))
+        except (FileNotFoundError, StopIteration, ProcessLookupError):
+            continue
+    return total / 1024
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User plus system CPU time of ``pids`` (not their children)."""
+    ticks = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            ticks += int(fields[11]) + int(fields[12])  # utime, stime
+        except (FileNotFoundError, IndexError, ProcessLookupError):
+            continue
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def wait_quiet(pids: list[int], below: float = 0.05, timeout_s: float = 20.0) -> float:
+    """Wait until the process trees of ``pids`` use under ``below`` of a core for half a second:
+    a server that just finished a run may still be freeing and logging, and would take CPU from
+    the next run of the other server. Returns the seconds waited."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        trees = [p for pid in pids for p in process_tree(pid)]
+        before = cpu_seconds(trees)
+        time.sleep(0.5)
+        if (cpu_seconds(trees) - before) / 0.5 < below:
+            break
+    return time.monotonic() - started
+
+
+def child_titles(pid: int) -> dict[str, int]:
+    """Command line (a process title for hybridlb's own) → pid of ``pid``'s direct children."""
+    titles = {}
+    for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+        try:
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+        except FileNotFoundError:
+            continue
+        titles[cmdline] = int(child)
+    return titles
