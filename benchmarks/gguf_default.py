@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -34,14 +35,16 @@ LOADS = {"default": (SMOLLM2, {}), "default-bf16": (SMOLLM2, {"dtype": "bfloat16
          "hf-bf16": ("hf", {"dtype": "bfloat16"})}
 
 
-def serve_c1(name: str, model: str, flags: list[str], seed: int) -> float:
-    """Output tok/s of one configuration at concurrency 1."""
+def serve_c1(name: str, model: str, flags: list[str], seed: int) -> tuple[float, float]:
+    """Output tok/s of one configuration at concurrency 1, and the machine's 1-minute load average after it
+    (the run's own engine counts ~1-2: more is someone else's work on the same cores)."""
     server = Server.hybridlb(f"gguf_default_{name}", model, "--served-model-name", "smollm2", "--kv-cache-gib",
                              "0.5", *flags)
     try:
         server.wait_ready()
         drive([server.url], "smollm2", VOCAB, 32, 64, 2, 1, seed=seed + 99)  # warm-up
-        return drive([server.url], "smollm2", VOCAB, 32, 64, 16, 1, seed=seed)["output_throughput"]
+        tok_s = drive([server.url], "smollm2", VOCAB, 32, 64, 16, 1, seed=seed)["output_throughput"]
+        return tok_s, os.getloadavg()[0]
     finally:
         server.stop()
 
@@ -97,14 +100,17 @@ def main() -> None:
                   + f"  [{row['label']}]", flush=True)
     if not args.no_serve:
         runs: dict[str, list[float]] = {name: [] for name in CONFIGS}
+        loads: dict[str, list[float]] = {name: [] for name in CONFIGS}
         names = list(CONFIGS)
         for round_ in range(args.rounds):
             for name in names if round_ % 2 == 0 else names[::-1]:
                 kind, flags = CONFIGS[name]
-                runs[name].append(serve_c1(name, hf if kind == "hf" else SMOLLM2, flags, seed=round_))
-                print(f"round {round_ + 1} {name:<13} c1 {runs[name][-1]:6.1f} tok/s", flush=True)
+                tok_s, load = serve_c1(name, hf if kind == "hf" else SMOLLM2, flags, seed=round_)
+                runs[name].append(tok_s)
+                loads[name].append(load)
+                print(f"round {round_ + 1} {name:<13} c1 {tok_s:6.1f} tok/s (load {load:.1f})", flush=True)
         medians = {name: statistics.median(values) for name, values in runs.items()}
-        result["c1_tok_s"] = {"rounds": runs, "median": medians,
+        result["c1_tok_s"] = {"rounds": runs, "load_1min_after": loads, "median": medians,
                               "ratio_to_hf_bf16": {n: m / medians["hf-bf16"] for n, m in medians.items()}}
         for name in names:
             print(f"{name:<13} c1 median {medians[name]:6.1f} tok/s {runs[name]}  "

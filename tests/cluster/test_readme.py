@@ -1,19 +1,7 @@
-"""The README's commands, and those of the guide pages it leads to (``GUIDE``), run as written,
-in order, the way a newcomer pastes them; every link of the README and of docs/ resolves.
-
-Every ```bash and ```python block runs from a fresh directory that holds the repository's
-``configs/``, with the installed ``hybridlb`` first on PATH, unless a comment right above it
-says otherwise:
-
-* ``<!-- readme-test: skip (why) -->``: not run here (it needs two machines, or it is the test
-  command itself);
-* ``<!-- readme-test: background -->``: a server; it runs in the background until the next
-  server block or the end, and the blocks after it talk to it;
-* ``<!-- readme-test: set-up; its last command runs in the background -->``: the install
-  one-liner (``.ci/run`` does the install); its final command is a server, as above.
-
-A block fails on a non-zero exit, a traceback, or an OpenAI error body in its output.
-"""
+"""The README's commands, and those of the guide pages it leads to (``GUIDE``), run as written, in
+order, the way a newcomer pastes them: a server one page starts serves the next page's requests,
+`hybridlb up` brings its own Ray cluster. How blocks are marked (skip, background, set-up) and the
+link checks: tests/unit/test_readme.py."""
 
 from __future__ import annotations
 
@@ -25,54 +13,14 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from hybridlb.lifecycle import descendants, die_with_parent, wait_gone
+from tests.unit.test_readme import ROOT, Block, guide_blocks
 
-ROOT = Path(__file__).resolve().parents[2]
 BIN = str(Path(sys.executable).parent)
-
-
-# The README, then the pages a newcomer reads next, as one walk: a server one page starts
-# serves the next page's requests.
-GUIDE = ["README.md", "docs/coming-from-vllm.md", "docs/usage.md", "docs/deployment.md"]
-
-
-@dataclass
-class Block:
-    line: int
-    language: str
-    text: str
-    marker: str | None
-    page: str = "README.md"
-
-    @property
-    def where(self) -> str:
-        return f"{self.page} line {self.line}"
-
-
-def guide_blocks() -> list[Block]:
-    return [block for page in GUIDE for block in readme_blocks(ROOT / page)]
-
-
-def readme_blocks(path: Path = ROOT / "README.md") -> list[Block]:
-    lines = path.read_text().splitlines()
-    page = str(path.relative_to(ROOT))
-    blocks, index = [], 0
-    while index < len(lines):
-        fence = re.fullmatch(r"```(\w+)", lines[index])
-        if fence is None:
-            index += 1
-            continue
-        end = lines.index("```", index + 1)
-        marker = re.fullmatch(r"<!-- readme-test: (.*) -->", lines[index - 1]) if index else None
-        blocks.append(Block(index + 1, fence.group(1), "\n".join(lines[index + 1 : end]),
-                            marker.group(1) if marker else None, page))
-        index = end + 1
-    return blocks
 
 
 def _env() -> dict:

@@ -2,57 +2,18 @@
 does: the cache laid out as `hf download` leaves it (blobs, snapshot symlinks, refs), revisions,
 a model that is not there, --tokenizer, and a real server answering to the ID."""
 
+# ruff: noqa: F811 - the fixtures imported from this file's unit-tier half are parameters here
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import httpx
-import pytest
 
 from hybridlb.testing.servers import Server, completion, start_servers
-
-REPO = "acme/tiny-qwen"
-MAIN = "a" * 40
-V2 = "b" * 40  # tag v2: the same weights, max_position_embeddings 1000
-
-
-def cache_repo(hub: Path, repo_id: str, checkpoint: Path, commit: str, refs: list[str]) -> Path:
-    """``checkpoint``'s files in ``hub`` as `hf download` lays them out: content-named blobs, a snapshot of
-    relative symlinks into them, and each of ``refs`` naming ``commit``; the snapshot directory."""
-    repo = hub / ("models--" + repo_id.replace("/", "--"))
-    snapshot = repo / "snapshots" / commit
-    for file in sorted(p for p in checkpoint.rglob("*") if p.is_file()):
-        data = file.read_bytes()
-        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
-        blob.parent.mkdir(parents=True, exist_ok=True)
-        blob.write_bytes(data)
-        link = snapshot / file.relative_to(checkpoint)
-        link.parent.mkdir(parents=True, exist_ok=True)
-        link.symlink_to(os.path.relpath(blob, link.parent))
-    for ref in refs:
-        (repo / "refs" / ref).parent.mkdir(parents=True, exist_ok=True)
-        (repo / "refs" / ref).write_text(commit)
-    return snapshot
-
-
-@pytest.fixture(scope="module")
-def hf_home(checkpoints, tmp_path_factory) -> Path:
-    """An HF_HOME holding acme/tiny-qwen: main, and tag v2 with another max length."""
-    home = tmp_path_factory.mktemp("hf_home")
-    tiny = Path(checkpoints("qwen3"))
-    cache_repo(home / "hub", REPO, tiny, MAIN, ["main"])
-    other = tmp_path_factory.mktemp("v2") / "tiny"
-    shutil.copytree(tiny, other)
-    config = json.loads((other / "config.json").read_text())
-    (other / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1000}))
-    cache_repo(home / "hub", REPO, other, V2, ["v2"])
-    return home
+from tests.unit.test_hub_models import MAIN, REPO, V2, _snapshot, cache_repo, hf_home  # noqa: F401 - fixtures: hf_home
 
 
 def _offline(hf_home: Path) -> dict[str, str]:
@@ -64,10 +25,6 @@ def _offline(hf_home: Path) -> dict[str, str]:
 def _hybridlb(*args: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "hybridlb", *args], capture_output=True, text=True, timeout=120,
                           env=env, cwd=cwd)
-
-
-def _snapshot(hf_home: Path, commit: str) -> Path:
-    return hf_home / "hub" / "models--acme--tiny-qwen" / "snapshots" / commit
 
 
 def test_serve_dry_run_resolves_a_hub_id_from_the_cache_offline(hf_home, tmp_path):

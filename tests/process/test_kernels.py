@@ -17,14 +17,7 @@ import torch
 
 from hybridlb import kernels
 from hybridlb.model import memory
-
-K = kernels.load()
-pytestmark = pytest.mark.skipif(K is None, reason="no C compiler: the kernels could not be built")
-
-
-@pytest.fixture(autouse=True)
-def seed():
-    torch.manual_seed(0)
+from tests.unit.test_kernels import K, pytestmark, seed  # noqa: F401 - fixtures: seed
 
 
 def test_a_failing_compiler_is_reported_not_raised(monkeypatch, tmp_path):

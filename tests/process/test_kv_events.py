@@ -1,13 +1,10 @@
 """KV-cache events from a real engine process, read the way llm-d's subscriber reads them:
 a SUB socket bound where the engine dials, three frames, plain msgpack arrays."""
 
+# ruff: noqa: F811 - the fixtures imported from this file's unit-tier half are parameters here
 from __future__ import annotations
 
-import threading
-import time
-
 import msgspec
-import pytest
 import zmq
 
 from hybridlb import SamplingParams
@@ -18,46 +15,9 @@ from hybridlb.engine.spawn import start_engine, stop_engines, wait_until_ready
 from hybridlb.prefix_hash import block_hashes, hash_seed
 from hybridlb.testing.ports import free_port
 from hybridlb.testing.sockets import assert_drops_oversized
+from tests.unit.test_kv_events import BLOCK, Subscriber, subscriber  # noqa: F401 - fixtures: subscriber
 
-BLOCK = 16
 PARAMS = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-
-
-class Subscriber(threading.Thread):
-    """llm-d's side: a SUB socket bound where engines dial, always receiving (a bound SUB only
-    sends its subscription to a connecting PUB while its owner polls it, a libzmq quirk)."""
-
-    def __init__(self):
-        super().__init__(daemon=True)
-        self.sub = zmq.Context.instance().socket(zmq.SUB)
-        self.sub.setsockopt(zmq.LINGER, 0)
-        self.sub.setsockopt(zmq.SUBSCRIBE, b"kv@")  # llm-d's topic filter
-        self.port = self.sub.bind_to_random_port("tcp://127.0.0.1")
-        self.received: list[list[bytes]] = []
-        self.done = threading.Event()
-
-    def run(self) -> None:
-        while not self.done.is_set():
-            if self.sub.poll(50):
-                self.received.append(self.sub.recv_multipart())
-        self.sub.close(linger=0)
-
-    def messages(self, settle_s: float = 1.0) -> list[list[bytes]]:
-        """What arrived, once nothing new came for ``settle_s``."""
-        count = -1
-        while count != len(self.received):
-            count = len(self.received)
-            time.sleep(settle_s)
-        return list(self.received)
-
-
-@pytest.fixture
-def subscriber():
-    listener = Subscriber()
-    listener.start()
-    yield listener
-    listener.done.set()
-    listener.join(timeout=5)
 
 
 def _engine(model: str, tmp_path, subscriber: Subscriber, topic: str, num_kv_blocks: int, replay_port: int):

@@ -2,27 +2,15 @@
 
 from __future__ import annotations
 
-import gzip
-import json
 import re
 import shlex
 import subprocess
 import sys
 from pathlib import Path
 
-import jsonschema
 import yaml
 
-from hybridlb.config import load_config
-from hybridlb.launch.k8s import PodOptions, render, whole_cluster
-from hybridlb.plan import plan_cluster
-
-
-def _documents(config_path: str, **options) -> list[dict]:
-    config = whole_cluster(load_config(config_path))
-    rendered = render(config, plan_cluster(config, is_moe=None), PodOptions(**{"image": "img:1", "memory_gib": 8,
-                                                                                 **options}))
-    return list(yaml.safe_load_all(rendered))
+from tests.unit.test_render_k8s import _containers, _documents, _kind, _problems, _schema
 
 
 def _command_for(pod: dict, index: int, leader: str) -> list[str]:
@@ -31,16 +19,6 @@ def _command_for(pod: dict, index: int, leader: str) -> list[str]:
     serve = script.split("exec ", 1)[1]
     serve = serve.replace('"$START_RANK"', str(index * size_local)).replace('"$LWS_LEADER_ADDRESS"', leader)
     return shlex.split(serve)
-
-
-def _kind(docs: list[dict], kind: str) -> dict:
-    return next(d for d in docs if d["kind"] == kind)
-
-
-def _containers(docs: list[dict]) -> list[dict]:
-    """The leader's and the workers' container."""
-    lws = _kind(docs, "LeaderWorkerSet")["spec"]["leaderWorkerTemplate"]
-    return [lws[role]["spec"]["containers"][0] for role in ("leaderTemplate", "workerTemplate")]
 
 
 def test_manifest_has_one_pod_per_node_and_valid_commands(tmp_path):
@@ -135,19 +113,6 @@ def test_the_readme_command_renders_the_multinode_config_as_written():
     for document in docs:
         assert _problems(document, schemas[document["kind"]]) == [], document["kind"]
     assert [d["kind"] for d in docs].count("Service") == 3
-
-
-SCHEMAS = Path(__file__).parents[1] / "k8s_schemas"
-
-
-def _schema(name: str) -> dict:
-    with gzip.open(SCHEMAS / f"{name}.json.gz", "rt") as handle:
-        return json.load(handle)
-
-
-def _problems(document: dict, schema: dict) -> list[str]:
-    validator = jsonschema.Draft7Validator(schema)
-    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(document)]
 
 
 def test_multi_port_renders_llm_d_s_pod_shape(tmp_path, tiny_qwen3):

@@ -1,37 +1,17 @@
 """Each path that once lost a request without a word now fails it loudly: a step that
 raises, an I/O thread that dies, an exception in the API server's reader or in a stream."""
 
+# ruff: noqa: F811 - the fixtures imported from this file's unit-tier half are parameters here
 from __future__ import annotations
 
 import asyncio
 
-import pytest
 import zmq
 import zmq.asyncio
 
 from hybridlb.api.engine_client import EngineConnection, EngineUnavailable
-from hybridlb.config import EngineConfig
 from hybridlb.engine.client import EngineClient
-from hybridlb.engine.spawn import start_engine, stop_engines, wait_until_ready
-from hybridlb.params import SamplingParams
-
-LONG = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
-SHORT = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
-
-
-def _simulated(model: str, step_ms: float = 2) -> EngineConfig:
-    return EngineConfig(model=model, max_model_len=256, num_kv_blocks=64, simulate={"step_ms": step_ms})
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_qwen3, tmp_path_factory):
-    address = f"ipc://{tmp_path_factory.mktemp('ipc')}/engine-0"
-    process = start_engine(_simulated(tiny_qwen3, step_ms=20), rank=0, address=address, torch_threads=1)
-    try:
-        wait_until_ready([process], timeout_s=60)
-        yield process
-    finally:
-        stop_engines([process])
+from tests.unit.test_silent_paths import LONG, SHORT, _simulated, engine  # noqa: F401 - fixtures: engine
 
 
 def test_an_exception_in_the_reader_fails_requests_and_reconnects(engine):

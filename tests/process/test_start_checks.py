@@ -5,30 +5,18 @@ note, and every problem of a command line or a config comes in one list, from `s
 
 from __future__ import annotations
 
-import contextlib
 import json
-import socket
 import subprocess
 import sys
 import time
 
 from hybridlb.testing.ports import free_port
 from hybridlb.testing.servers import completion, start_server
+from tests.unit.test_start_checks import _held
 
 
 def _hybridlb(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "hybridlb", *args], capture_output=True, text=True, timeout=timeout)
-
-
-@contextlib.contextmanager
-def _held(*ports: int):
-    """Another program listening on 127.0.0.1 at each port."""
-    with contextlib.ExitStack() as stack:
-        for port in ports:
-            sock = stack.enter_context(socket.socket())
-            sock.bind(("127.0.0.1", port))
-            sock.listen()
-        yield
 
 
 def _error_lines(run: subprocess.CompletedProcess) -> list[str]:

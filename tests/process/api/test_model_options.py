@@ -1,45 +1,13 @@
 """Sampling defaults from generation_config.json and --chat-template, through a real server."""
 
+# ruff: noqa: F811 - the fixtures imported from this file's unit-tier half are parameters here
 from __future__ import annotations
 
-import json
-import shutil
 import subprocess
 import sys
 
-import httpx
-import pytest
-
 from hybridlb import LLM, SamplingParams
-from hybridlb.testing.servers import start_server
-
-TEMPLATE = "{% if messages[0].content == 'boom' %}{{ raise_exception('no explosions here') }}{% endif %}" \
-           "{% if tools %}[{{ tools | length }} tools] {% endif %}" \
-           "{% if greeting is defined %}{{ greeting }} {% endif %}" \
-           "Q: {{ messages[-1].content }}\nA:"
-
-
-@pytest.fixture(scope="module")
-def greedy_by_default(tmp_path_factory, tiny_qwen3):
-    """A copy of the tiny model whose generation_config.json makes decoding greedy."""
-    model = tmp_path_factory.mktemp("gen") / "model"
-    shutil.copytree(tiny_qwen3, model)
-    config = json.loads((model / "generation_config.json").read_text())
-    (model / "generation_config.json").write_text(json.dumps({**config, "temperature": 0.0, "top_k": 20}))
-    return model
-
-
-@pytest.fixture(scope="module")
-def server(greedy_by_default, tmp_path_factory):
-    template = tmp_path_factory.mktemp("tpl") / "qa.jinja"
-    template.write_text(TEMPLATE)
-    server = start_server(str(greedy_by_default), "--chat-template", str(template))
-    yield server
-    assert server.stop() == 0
-
-
-def _post(server, route: str, body: dict) -> httpx.Response:
-    return httpx.post(f"{server.url}/v1/{route}", json={"model": server.model, **body}, timeout=60)
+from tests.unit.api.test_model_options import TEMPLATE, _post, greedy_by_default, server  # noqa: F401 - fixtures: greedy_by_default, server
 
 
 def test_unset_sampling_fields_take_the_models_defaults(server, greedy_by_default):
