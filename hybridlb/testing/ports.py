@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import random
 import socket
 
@@ -22,10 +21,9 @@ def free_port_range(count: int) -> int:
     Drawn below the kernel's ephemeral range (Linux: 32768-60999, where every outgoing connection and
     every bind to port 0 get their ports) and above Ray's worker ports (10002-19999): a port handed
     out cannot be taken by a connection some process (a Ray worker, another server) opens before
-    the server binds it, and is never handed out twice in one run. Separate test processes (pytest
-    workers) draw from disjoint slices of the band."""
+    the server binds it, and is never handed out twice in one run."""
     band = quiet_port_band()
-    low, high = _worker_slice(band.start, band.stop)
+    low, high = band.start, band.stop
     for _ in range(200):
         base = random.randrange(low, high - count)
         block = set(range(base, base + count))
@@ -33,16 +31,6 @@ def free_port_range(count: int) -> int:
             _handed_out.update(block)  # not handed out twice in one run, bound or not yet
             return base
     raise RuntimeError(f"no {count} consecutive free ports in {low}..{high}")
-
-
-def _worker_slice(low: int, high: int) -> tuple[int, int]:
-    """This pytest-xdist worker's share of ``low..high`` (all of it outside xdist)."""
-    worker, workers = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
-    if not worker.startswith("gw") or not workers:
-        return low, high
-    index, count = int(worker[2:]), int(workers)
-    width = (high - low) // count
-    return low + index * width, low + (index + 1) * width
 
 
 def port_is_free(port: int) -> bool:
