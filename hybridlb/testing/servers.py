@@ -19,8 +19,9 @@ from hybridlb.testing.ports import free_port
 from hybridlb.testing.procs import child_titles, process_tree
 
 # What a test's server gets unless its flags say otherwise: small enough that many run side by side,
-# float32 because token-for-token comparisons are exact only there.
-TEST_DEFAULTS = {"--max-model-len": "512", "--kv-cache-gib": "0.05", "--dtype": "float32"}
+# float32 because token-for-token comparisons are exact only there, and a GGUF file dequantized (its
+# greedy tokens are transformers'; tests of the quantized default say --quantization themselves).
+TEST_DEFAULTS = {"--max-model-len": "512", "--kv-cache-gib": "0.05", "--dtype": "float32", "--quantization": "none"}
 READY_LINE = "hybridlb is ready"
 
 
