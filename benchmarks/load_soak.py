@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from common import Server, checkpoint, free_port, stamp
+from common import Server, checkpoint, free_port, process_tree, stamp
 
 CONFIG = Path("configs/local.yaml")
 VOCAB = 1024  # the tiny checkpoint's vocabulary
@@ -196,19 +196,6 @@ def run_load(args: argparse.Namespace, model: str) -> dict:
 
 
 # -- soak -------------------------------------------------------------------------------------
-def process_tree(root: int) -> list[int]:
-    pids, stack = [], [root]
-    while stack:
-        pid = stack.pop()
-        pids.append(pid)
-        try:
-            for task in Path(f"/proc/{pid}/task").iterdir():
-                stack += [int(child) for child in (task / "children").read_text().split()]
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-    return pids
-
-
 def process_name(pid: int) -> str:
     """The title hybridlb gave the process (``hybridlb:engine:0``), else a short command."""
     argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
