@@ -86,7 +86,7 @@ def test_kv_cache_buffers_are_zeroed_independent_and_on_huge_pages():
         pytest.skip("transparent huge pages are off on this machine")
     # In a fresh process, as an engine allocates its cache: here, after other tests, the allocator may
     # hand back memory already touched on small pages, which madvise does not convert.
-    probe = ("import torch; from hybridlb.model import memory; from tests.unit.test_kernels import _huge_page_kib; "
+    probe = ("import torch; from hybridlb.model import memory; from tests.process.test_kernels import _huge_page_kib; "
              f"t = memory.zeros({shapes!r}, torch.bfloat16)[0]; t.fill_(1); print(_huge_page_kib(t.data_ptr()))")
     ran = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
     assert int(ran.stdout.split()[-1]) >= 2048, ran.stdout
