@@ -28,8 +28,8 @@ import zmq
 import zmq.asyncio
 from common import checkpoint, free_port, stamp
 
-from hybridlb.api.context import ApiServerSpec
 from hybridlb.api.http_server import run_api_server
+from hybridlb.api.spec import ApiServerSpec
 from hybridlb.bench.client import BenchArgs, run_benchmark, summarize
 from hybridlb.config import ApiConfig, Config, EngineConfig
 from hybridlb.engine.spawn import start_engine, stop_engines, wait_until_ready

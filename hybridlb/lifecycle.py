@@ -173,12 +173,23 @@ def configure_logging(name: str) -> None:
     )
 
 
+# A Unix socket's path fits in 107 bytes; under the directory go "hybridlb-xxxxxxxx/" and the
+# longest socket name ("coordinator-stats", "engine-1023"), with room to spare.
+SUN_PATH_BYTES = 107
+MAX_SOCKET_DIR = SUN_PATH_BYTES - 48
+
+
 def private_dir(path: str | None = None) -> str:
     """A directory only this user can enter (0700), for IPC sockets and metrics files: a new
     temporary one, or ``path``, made if missing and refused if another user could enter it
     (anyone who can connect to an engine's socket can send it requests)."""
     if path is None:
-        return tempfile.mkdtemp(prefix="hybridlb-")  # mkdtemp makes it 0700
+        base = tempfile.gettempdir()
+        if len(base) > MAX_SOCKET_DIR:  # the sockets' paths would not fit in sun_path
+            log.info("TMPDIR %s is too long for the IPC sockets' paths (%d bytes at most); they go under /tmp",
+                     base, SUN_PATH_BYTES)
+            base = "/tmp"
+        return tempfile.mkdtemp(prefix="hybridlb-", dir=base)  # mkdtemp makes it 0700
     os.makedirs(path, mode=0o700, exist_ok=True)
     info = os.stat(path, follow_symlinks=False)
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():

@@ -1,6 +1,6 @@
 """The FastAPI application of one API server: its context, its connections to the node's
 engines (opened when the server starts), the coordinator's load snapshots, and the routes
-(``hybridlb.api.routes``) behind the request guard (``hybridlb.api.guard``)."""
+(``hybridlb.api.openai.routes``) behind the request guard (``hybridlb.api.guard``)."""
 
 from __future__ import annotations
 
@@ -18,17 +18,18 @@ import zmq.asyncio
 from fastapi import FastAPI
 
 from hybridlb import __version__, lifecycle
-from hybridlb.api import routes
-from hybridlb.api.admission import BodyBudget, Slots
-from hybridlb.api.context import ApiContext, ApiServerSpec
-from hybridlb.api.engine_client import EngineConnection
+from hybridlb.api.dispatch.admission import BodyBudget, Slots
+from hybridlb.api.dispatch.engine_client import EngineConnection
+from hybridlb.api.dispatch.lora import AdapterRegistry, runtime_updates_allowed
+from hybridlb.api.dispatch.metrics import Metrics
+from hybridlb.api.dispatch.pool import EnginePool
+from hybridlb.api.dispatch.runner import RequestRunner
 from hybridlb.api.errors import install_error_handlers
 from hybridlb.api.guard import RequestGuard
-from hybridlb.api.logprobs import LogprobFormatter
-from hybridlb.api.lora import AdapterRegistry, runtime_updates_allowed
-from hybridlb.api.metrics import Metrics
-from hybridlb.api.pool import EnginePool
-from hybridlb.api.runner import RequestRunner
+from hybridlb.api.openai import routes
+from hybridlb.api.openai.context import ApiContext
+from hybridlb.api.openai.logprobs import LogprobFormatter
+from hybridlb.api.spec import ApiServerSpec
 from hybridlb.checkpoint.chat_template import read_template_argument
 from hybridlb.checkpoint.generation_config import sampling_defaults
 from hybridlb.checkpoint.spec import load_spec

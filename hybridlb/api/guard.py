@@ -1,5 +1,5 @@
 """What every HTTP request passes before any route sees it: the API key, the body size
-limit, and the first slot of the concurrency limit (``hybridlb.api.admission``)."""
+limit, and the first slot of the concurrency limit (``hybridlb.api.dispatch.admission``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import hmac
 
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from hybridlb.api.admission import BodyBudget, Slots
+from hybridlb.api.dispatch.admission import BodyBudget, Slots
 from hybridlb.api.errors import APIError, error_response
 
 # Probes, scrapers and upstream balancers: no API key, and never refused for load.

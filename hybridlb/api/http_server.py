@@ -14,7 +14,7 @@ from multiprocessing.synchronize import Event
 import uvicorn
 
 from hybridlb import lifecycle
-from hybridlb.api.context import ApiServerSpec
+from hybridlb.api.spec import ApiServerSpec
 from hybridlb.config import Config
 
 

@@ -50,7 +50,7 @@ class AdapterError(ValueError):
 class AdapterMissing(AdapterError):
     """No adapter to read at the path: missing, not a directory, no adapter_config.json, or a file
     that cannot be opened. The message says which (for the operator); a client loading adapters
-    at run time gets one text for all of them (``hybridlb.api.lora``)."""
+    at run time gets one text for all of them (``hybridlb.api.dispatch.lora``)."""
 
 
 @dataclass(frozen=True)

@@ -1,16 +1,12 @@
 """What an engine checks of a request before it queues it, whoever sent it (an API server
 checks the same first; an engine may be reached by several, or by a client of its own).
 Everything a request carries that a step will index or load is checked here, so that a step
-fails only for faults nobody could see coming (``hybridlb.engine.blame``)."""
+fails only for faults nobody could see coming (``hybridlb.engine.blame``). A request's LoRA
+adapter is checked, and read, by ``hybridlb.engine.lora``."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from hybridlb.params import LoRARequest, SamplingParams
-
-if TYPE_CHECKING:
-    from hybridlb.config import EngineConfig
+from hybridlb.params import SamplingParams
 
 
 def request_problem(prompt: list[int], params: SamplingParams, vocab_size: int, max_model_len: int,
@@ -31,23 +27,4 @@ def request_problem(prompt: list[int], params: SamplingParams, vocab_size: int, 
         return "this engine has no model (engine.simulate), so it has no log-probabilities; drop logprobs"
     if params.constraint is not None and not has_model:
         return "this engine has no model (engine.simulate), so it cannot follow a grammar; drop the constraint"
-    return None
-
-
-def adapter_problem(config: EngineConfig, runner, lora: LoRARequest | None) -> str | None:
-    """Why a request's LoRA adapter cannot be served here, or None. ``runner.check_lora`` reads it
-    (then kept in memory); any failure to (a file replaced or truncated since it was registered) is
-    the request's error, never the engine's."""
-    if lora is None:
-        return None
-    if config.lora is None:
-        return f"this engine serves no LoRA adapters (engine.lora is unset); {lora.name!r} needs --enable-lora"
-    from hybridlb.checkpoint.lora import AdapterError
-
-    try:
-        runner.check_lora(lora)
-    except AdapterError as exc:
-        return f"LoRA adapter {lora.name!r}: {exc}"
-    except Exception as exc:
-        return f"LoRA adapter {lora.name!r} cannot be read: {type(exc).__name__}: {exc}"
     return None

@@ -22,7 +22,7 @@ from hybridlb.engine import blame, checks
 from hybridlb.engine.block_manager import BlockManager
 from hybridlb.engine.constraints import Constraints
 from hybridlb.engine.dp_context import DPContext
-from hybridlb.engine.lora import AdapterSlots
+from hybridlb.engine.lora import AdapterSlots, read_for_request
 from hybridlb.engine.request import Request
 from hybridlb.engine.scheduler import ScheduledChunk, Scheduler
 from hybridlb.engine.speculative import NgramProposer
@@ -88,7 +88,10 @@ class EngineCore:
         resumed = resumed or []
         problem = (f"request id {request_id!r} is already in use" if request_id in self.requests else
                    checks.request_problem(prompt_token_ids + resumed, params, self.vocab_size, self.max_model_len,
-                                          self.runner.scores_logprobs) or self._check_adapter(params.lora))
+                                          self.runner.scores_logprobs))
+        adapter = None if problem or params.lora is None else read_for_request(self.config, self.runner, params.lora)
+        if isinstance(adapter, str):
+            problem = adapter
         if problem:
             return RequestOutput(request_id, [], finish_reason="error", error=problem)
         if (queued := len(self.scheduler.waiting) + len(self.constraints.compiling)) >= self.config.max_queued_requests:
@@ -104,6 +107,7 @@ class EngineCore:
         request.token_ids.extend(resumed)  # output already produced: computed with the prompt
         if params.lora is not None:
             request.hash_seed = adapter_seed(self.blocks.seed, params.lora.key)
+            request.lora_weights = adapter
         if params.min_tokens:
             eos = set() if params.ignore_eos else self.eos_token_ids
             request.min_tokens_banned = sorted(eos | set(params.stop_token_ids))
@@ -114,18 +118,15 @@ class EngineCore:
         self.requests[request_id] = request
         return None
 
-    def _check_adapter(self, lora: LoRARequest | None) -> str | None:
-        return checks.adapter_problem(self.config, self.runner, lora)
-
     def load_adapters(self, adapters: list[LoRARequest]) -> None:
         """engine.lora.load eager: read each adapter now and put it in a free slot (evicting none)."""
         for lora in adapters:
-            if (problem := self._check_adapter(lora)) is not None:
-                log.warning("engine %d: not loaded: %s", self.rank, problem)
+            if isinstance(adapter := read_for_request(self.config, self.runner, lora), str):
+                log.warning("engine %d: not loaded: %s", self.rank, adapter)
                 continue
             try:
                 if (slot := self.scheduler.adapters.take_free(lora)) is not None:
-                    self.runner.adapters.place({slot: lora})
+                    self.runner.adapters.place({slot: adapter})
             except Exception:
                 log.exception("engine %d: could not place LoRA adapter %r; requests load it when they need it",
                               self.rank, lora.name)

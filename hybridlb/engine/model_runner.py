@@ -14,6 +14,7 @@ from hybridlb.engine import kv_cache
 from hybridlb.engine.dp_context import DPContext
 from hybridlb.engine.dtypes import engine_dtype
 from hybridlb.engine.expert_parallel import ExpertParallel, expert_range, init_group
+from hybridlb.engine.lora import AdapterReader, AdapterWeights
 from hybridlb.engine.request import Request
 from hybridlb.engine.sampler import Sampler
 from hybridlb.engine.scheduler import ScheduledChunk
@@ -85,7 +86,8 @@ class ModelRunner:
         self.adapters: ModelAdapters | None = None  # LoRA slots, wrapped around the (packed) projections
         if config.lora is not None:
             self.adapters = ModelAdapters(self.model, self.spec, config.lora.max_loras, config.lora.max_lora_rank,
-                                          config.lora.cpu_slots, self.dtype, self.device, self.kernels)
+                                          self.dtype, self.device, self.kernels)
+            self.adapter_reader = AdapterReader(self.spec, config.lora.max_lora_rank, config.lora.cpu_slots)
         release_readers()
         lifecycle.release_freed_memory()  # loading's and packing's temporaries, the parsed checkpoint
         self.num_blocks = kv_cache.num_blocks(config, self.spec, self.max_model_len, self._gpu_budget(config))
@@ -102,9 +104,10 @@ class ModelRunner:
         weights = f", {self.weights}" if self.weights else ""
         return f"{self.spec.architecture} in {str(self.dtype).removeprefix('torch.')} on {self.device}{weights}"
 
-    def check_lora(self, lora: LoRARequest) -> None:
-        """Read a request's adapter (AdapterError if it cannot be served); kept for its first step."""
-        self.adapters.check(lora)
+    def check_lora(self, lora: LoRARequest) -> AdapterWeights:
+        """Read a request's adapter as it comes in (AdapterError if it cannot be served): its
+        steps then install tensors already in memory."""
+        return self.adapter_reader.read(lora)
 
     def generator(self, seed: int) -> torch.Generator:
         """A per-request sampling generator."""
@@ -251,8 +254,9 @@ class ModelRunner:
         return self._tensor(ids), self._tensor(positions), batch, self._tensor(sample_rows)
 
     def _use_adapters(self, chunks: list[ScheduledChunk]) -> None:
-        """Load the adapters this step's requests were given slots for; mark each row's slot."""
-        self.adapters.place({c.request.lora_slot: c.request.params.lora for c in chunks if c.request.lora_slot >= 0})
+        """Install the adapters this step's requests were given slots for (read when each request
+        came in, ``check_lora``); mark each row's slot."""
+        self.adapters.place({c.request.lora_slot: c.request.lora_weights for c in chunks if c.request.lora_slot >= 0})
         rows = [c.request.lora_slot for c in chunks for _ in range(c.num_tokens)]
         self.adapters.rows.set(rows, self.dtype, self.device)
 

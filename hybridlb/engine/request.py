@@ -14,6 +14,7 @@ if TYPE_CHECKING:  # a simulated engine never loads torch (start-up time and mem
 
     import torch
 
+    from hybridlb.engine.lora import AdapterWeights
     from hybridlb.grammar import Matcher
 
 
@@ -73,8 +74,10 @@ class Request:
         self.draft_misses = 0
         self.draft_wait = 0
         # LoRA: the engine slot holding this request's adapter while it runs (-1: the base
-        # model), and the start of its block-hash chain (an adapter's KV is its own).
+        # model), the adapter's tensors (read from disk when the request came in, so a step
+        # only installs them), and the start of its block-hash chain (an adapter's KV is its own).
         self.lora_slot = -1
+        self.lora_weights: AdapterWeights | None = None
         self.hash_seed: int | None = None
 
     @property

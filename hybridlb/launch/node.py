@@ -47,8 +47,8 @@ from multiprocessing.connection import wait
 import msgspec
 
 from hybridlb import lifecycle
-from hybridlb.api.context import ApiServerSpec
 from hybridlb.api.http_server import run_api_server
+from hybridlb.api.spec import ApiServerSpec
 from hybridlb.config import Config
 from hybridlb.coordinator import run_coordinator
 from hybridlb.engine.dp_context import DPContext

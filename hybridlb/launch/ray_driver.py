@@ -24,7 +24,7 @@ from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from hybridlb import lifecycle
-from hybridlb.api.context import ApiServerSpec
+from hybridlb.api.spec import ApiServerSpec
 from hybridlb.checkpoint.spec import CheckpointError, load_spec
 from hybridlb.config import Config
 from hybridlb.engine.dp_context import DPContext

@@ -18,12 +18,12 @@ both.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from typing import Protocol
 
 import torch
 from torch import nn
 
-from hybridlb.checkpoint.lora import AdapterInfo, module_shape, read_adapter
+from hybridlb.checkpoint.lora import AdapterInfo, module_shape
 from hybridlb.checkpoint.spec import ModelSpec
 from hybridlb.kernels import CPUKernels
 from hybridlb.params import LoRARequest
@@ -115,19 +115,25 @@ class LoRALinear(nn.Module):
         self.ranks[slot, part] = rank
 
 
-class ModelAdapters:
-    """The model's adapter slots: wraps its projections, loads adapters into slots (reading
-    each from disk once while it stays among the ``cpu_slots`` most recently used)."""
+class ReadAdapter(Protocol):
+    """An adapter's tensors as read from disk (``hybridlb.engine.lora.AdapterWeights``)."""
 
-    def __init__(self, model: nn.Module, spec: ModelSpec, num_slots: int, max_rank: int, cpu_slots: int,
+    lora: LoRARequest
+    info: AdapterInfo
+    tensors: dict[str, torch.Tensor]
+
+
+class ModelAdapters:
+    """The model's adapter slots: wraps its projections, and installs in a slot the tensors of an
+    adapter already read (``hybridlb.engine.lora`` reads them, off the step)."""
+
+    def __init__(self, model: nn.Module, spec: ModelSpec, num_slots: int, max_rank: int,
                  dtype: torch.dtype, device: torch.device, kernels: CPUKernels | None = None):
         """``dtype``: the activations' (the adapters run in it, whatever the weights are stored as);
         ``kernels``: the CPU kernels, when loaded."""
-        self.spec, self.max_rank, self.cpu_slots = spec, max_rank, cpu_slots
         self.dtype, self.device = dtype, device
         self.rows = LoRARows()
         self.held: list[LoRARequest | None] = [None] * num_slots
-        self.read: OrderedDict[LoRARequest, tuple[AdapterInfo, dict[str, torch.Tensor]]] = OrderedDict()
         self.layers: list[dict[str, LoRALinear]] = []  # per layer: PEFT module name -> its projection
         for index, layer in enumerate(model.layers):
             wrapped = {}
@@ -144,39 +150,18 @@ class ModelAdapters:
                 wrapped.update(dict.fromkeys(modules, linear))
             self.layers.append(wrapped)
 
-    def check(self, lora: LoRARequest) -> None:
-        """Read ``lora`` (raising AdapterError for a directory that cannot be served)."""
-        self._weights(lora)
-
-    def place(self, slots: dict[int, LoRARequest]) -> None:
+    def place(self, slots: dict[int, ReadAdapter]) -> None:
         """Make each slot hold its adapter (as the scheduler assigned them)."""
-        for slot, lora in slots.items():
-            if self.held[slot] != lora:
-                self._load(slot, lora)
+        for slot, adapter in slots.items():
+            if self.held[slot] != adapter.lora:
+                self._install(slot, adapter)
 
-    def _weights(self, lora: LoRARequest) -> tuple[AdapterInfo, dict[str, torch.Tensor]]:
-        if lora in self.read:
-            self.read.move_to_end(lora)
-            return self.read[lora]
-        from safetensors.torch import load_file
-
-        from hybridlb.checkpoint.lora import WEIGHTS_FILE
-
-        info = read_adapter(lora.path, self.spec, self.max_rank)
-        tensors = {key.removeprefix("base_model.model."): value
-                   for key, value in load_file(f"{lora.path}/{WEIGHTS_FILE}").items()}
-        self.read[lora] = info, tensors
-        while len(self.read) > self.cpu_slots:
-            self.read.popitem(last=False)
-        return info, tensors
-
-    def _load(self, slot: int, lora: LoRARequest) -> None:
-        info, tensors = self._weights(lora)
+    def _install(self, slot: int, adapter: ReadAdapter) -> None:
         self.held[slot] = None
         for layer in self.layers:
             for linear in set(layer.values()):
                 linear.clear(slot)
-        for module in info.modules:
-            a, b = (tensors[f"{module.prefix}.lora_{which}.weight"].to(self.dtype) for which in "AB")
+        for module in adapter.info.modules:
+            a, b = (adapter.tensors[f"{module.prefix}.lora_{which}.weight"].to(self.dtype) for which in "AB")
             self.layers[module.layer][module.module].write(slot, module.module, a, b, module.scaling)
-        self.held[slot] = lora
+        self.held[slot] = adapter.lora

@@ -53,8 +53,8 @@ def test_ctrl_c_while_starting_stops_everything(tmp_path, launcher, after_s):
     config["ray"]["name"] = name = f"interrupted-{launcher}-{after_s}"
     path = tmp_path / "local.yaml"
     path.write_text(yaml.safe_dump(config))
-    runtime = tmp_path / "tmp"
-    runtime.mkdir()
+    # A short TMPDIR (pytest's, under xdist, leaves too little of a socket path's 107 bytes).
+    runtime = Path(tempfile.mkdtemp(prefix="ctrlc-", dir="/tmp"))
     # serve's runtime directory goes under TMPDIR; up's is the actors' own (hybridlb-ray-<name>).
     env = {**os.environ, "TMPDIR": str(runtime)} if launcher == "serve" else dict(os.environ)
     command = ["serve", "--config", str(path)] if launcher == "serve" else ["up", str(path)]
@@ -77,4 +77,5 @@ def test_ctrl_c_while_starting_stops_everything(tmp_path, launcher, after_s):
     assert port_is_free(port)
     assert not list(runtime.glob("hybridlb-*")), list(runtime.iterdir())
     assert not Path(tempfile.gettempdir(), f"hybridlb-ray-{name}").exists()
+    runtime.rmdir()
     print(f"{launcher}: Ctrl-C {after_s} s in, exit {code} after {stopped_s:.1f} s")

@@ -9,7 +9,7 @@ import asyncio
 import zmq
 import zmq.asyncio
 
-from hybridlb.api.engine_client import EngineConnection, EngineUnavailable
+from hybridlb.api.dispatch.engine_client import EngineConnection, EngineUnavailable
 from hybridlb.engine.client import EngineClient
 from tests.unit.test_silent_paths import LONG, SHORT, _simulated, engine  # noqa: F401 - fixtures: engine
 

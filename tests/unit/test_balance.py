@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from hybridlb.api.balance import MAX_LOAD_GAP, RankView, choose_cache_aware, choose_engine, load_score
-from hybridlb.api.prefix_index import PrefixIndex
+from hybridlb.api.dispatch.balance import MAX_LOAD_GAP, RankView, choose_cache_aware, choose_engine, load_score
+from hybridlb.api.dispatch.prefix_index import PrefixIndex
 
 
 def test_least_loaded_wins():
@@ -109,7 +109,7 @@ def test_a_connection_counts_each_requests_tokens_to_go_down_as_they_arrive():
 
     import zmq.asyncio
 
-    from hybridlb.api.engine_client import EngineConnection
+    from hybridlb.api.dispatch.engine_client import EngineConnection
     from hybridlb.params import SamplingParams
     from hybridlb.protocol import EngineReady, RequestOutput
 

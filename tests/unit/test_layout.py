@@ -17,19 +17,33 @@ ALLOWED = {
     "model": {"checkpoint", "kernels"},
     "engine": {"model", "kernels", "checkpoint", "grammar"},
     "coordinator": set(),
-    "api": {"checkpoint", "grammar"},
+    # The API server in layers: its shell (app, http_server, guard) over the OpenAI surface over
+    # the node's dispatcher, with its errors and its launcher's spec under all three.
+    "api": {"checkpoint", "grammar", "api.openai", "api.dispatch", "api.errors", "api.spec"},
+    "api.openai": {"checkpoint", "grammar", "api.dispatch", "api.errors", "api.spec"},
+    "api.dispatch": {"checkpoint", "api.errors"},
+    "api.errors": set(),
+    "api.spec": set(),
     "bench": {"checkpoint"},
     "llm": {"engine", "checkpoint", "grammar"},
-    "launch": {"api", "engine", "coordinator", "checkpoint"},
-    "cli": {"checkpoint", "grammar", "model", "engine", "coordinator", "api", "bench", "llm", "launch"},
+    "launch": {"api", "api.spec", "engine", "coordinator", "checkpoint"},
+    "cli": {"checkpoint", "grammar", "model", "engine", "coordinator", "api", "api.openai", "api.dispatch",
+            "api.errors", "api.spec", "bench", "llm", "launch"},
     # the harness tests and benchmarks share; no server imports it
     "testing": {"checkpoint", "model"},
 }
 
 
+API_LAYERS = {"openai", "dispatch", "errors", "spec"}
+
+
 def _part(module: str) -> str:
-    """The part a dotted module name belongs to: its package under hybridlb, or its own name."""
-    return module.split(".")[1] if module.count(".") else "__init__"
+    """The part a dotted module name belongs to: its package under hybridlb, or its own name
+    (the API server's layers, ``API_LAYERS``, are parts of their own)."""
+    names = module.split(".")
+    if names[1:2] == ["api"] and len(names) > 2 and names[2] in API_LAYERS:
+        return f"api.{names[2]}"
+    return names[1] if len(names) > 1 else "__init__"
 
 
 def _imports(path: Path) -> set[str]:

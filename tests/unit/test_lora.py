@@ -13,7 +13,7 @@ import torch
 from pydantic import ValidationError
 from safetensors.torch import save_file
 
-from hybridlb.api.pool import prefer_holders
+from hybridlb.api.dispatch.lora import prefer_holders
 from hybridlb.checkpoint.lora import AdapterError, check_adapter
 from hybridlb.cli.vllm_args import translate
 from hybridlb.config import EngineConfig

@@ -9,8 +9,8 @@ import threading
 
 import pytest
 
-from hybridlb.api.jobs import Job
-from hybridlb.api.responses import _merged, _sse
+from hybridlb.api.openai.jobs import Job
+from hybridlb.api.openai.responses import _merged, _sse
 from hybridlb.config import EngineConfig
 from hybridlb.engine.client import EngineClient
 from hybridlb.engine.core import SickEngine, make_core

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from hybridlb.api.engine_client import STALL_STEPS, EngineConnection
+from hybridlb.api.dispatch.engine_client import STALL_STEPS, EngineConnection
 from hybridlb.engine.step_clock import StepClock
 from hybridlb.protocol import EngineStats
 

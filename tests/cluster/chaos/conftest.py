@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from hybridlb.api.context import ApiServerSpec
 from hybridlb.api.http_server import run_api_server
+from hybridlb.api.spec import ApiServerSpec
 from hybridlb.config import ApiConfig, Config, EngineConfig
 from hybridlb.engine.client import EngineClient
 from hybridlb.engine.spawn import EngineProcess, start_engine, stop_engines, wait_until_ready

@@ -135,7 +135,7 @@ def victims(node):
 
 # -- values at and past each field's limits ----------------------------------------------------
 def at_the_limits(vocab: int, model: str) -> dict[str, st.SearchStrategy]:
-    """Per field, values at and just past its limits (hybridlb.params, hybridlb.api.schemas)."""
+    """Per field, values at and just past its limits (hybridlb.params, hybridlb.api.openai.schemas)."""
     token = st.sampled_from([0, 1, vocab - 1, vocab, vocab + 1, 10**9, -1, 2**63 - 1])
     tokens = st.lists(token, min_size=1, max_size=4)
     floats = st.sampled_from

@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 from hybridlb.api.app import create_app
-from hybridlb.api.context import ApiServerSpec
 from hybridlb.api.guard import OPEN_PATHS
+from hybridlb.api.spec import ApiServerSpec
 from hybridlb.config import parse_config
 from hybridlb.testing.listeners import assert_loopback_only
 from hybridlb.testing.servers import start_server

@@ -10,7 +10,7 @@ import asyncio
 import httpx
 from fastapi import FastAPI, Request
 
-from hybridlb.api.admission import BodyBudget, Slots
+from hybridlb.api.dispatch.admission import BodyBudget, Slots
 from hybridlb.api.errors import install_error_handlers
 from hybridlb.api.guard import RequestGuard
 

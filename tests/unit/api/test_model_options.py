@@ -8,7 +8,7 @@ import shutil
 import httpx
 import pytest
 
-from hybridlb.api.schemas import CompletionRequest
+from hybridlb.api.openai.schemas import CompletionRequest
 from hybridlb.checkpoint.generation_config import sampling_defaults
 from hybridlb.checkpoint.path import CheckpointError
 from hybridlb.testing.servers import start_server

@@ -12,11 +12,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from hybridlb.api.engine_client import EngineConnection, EngineUnavailable
+from hybridlb.api.dispatch.engine_client import EngineConnection, EngineUnavailable
+from hybridlb.api.dispatch.metrics import Metrics
+from hybridlb.api.dispatch.pool import EnginePool
+from hybridlb.api.dispatch.runner import RequestRunner
 from hybridlb.api.errors import APIError
-from hybridlb.api.metrics import Metrics
-from hybridlb.api.pool import EnginePool
-from hybridlb.api.runner import RequestRunner
 from hybridlb.checkpoint.tokenizer import Tokenizer
 from hybridlb.params import SamplingParams
 from hybridlb.protocol import RequestOutput

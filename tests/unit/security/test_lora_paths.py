@@ -14,7 +14,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from hybridlb.api.app import create_app
-from hybridlb.api.context import ApiServerSpec
+from hybridlb.api.spec import ApiServerSpec
 from hybridlb.config import parse_config
 from hybridlb.testing.adapters import write_adapter
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from hybridlb.api.reasoning import ReasoningStream, reasoning_ended, split
+from hybridlb.api.openai.reasoning import ReasoningStream, reasoning_ended, split
 
 CASES = [
     ("deepseek_r1", "<think>\nadd 2 and 2\n</think>\n\nThe answer is 4.", "\nadd 2 and 2\n", "\n\nThe answer is 4."),

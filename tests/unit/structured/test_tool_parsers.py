@@ -10,8 +10,8 @@ import re
 
 import pytest
 
-from hybridlb.api.tools import ToolStream, extract, make_parser
-from hybridlb.api.tools.forced import NamedParser, RequiredParser
+from hybridlb.api.openai.tools import ToolStream, extract, make_parser
+from hybridlb.api.openai.tools.forced import NamedParser, RequiredParser
 
 CALL = {"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}
 NESTED = {"q": 'brace } and " quote {', "opts": {"depth": [1, {"k": None}], "on": True}, "city": "Zürich"}

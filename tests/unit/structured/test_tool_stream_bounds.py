@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from hybridlb.api.tools import ToolStream, extract, make_parser
-from hybridlb.api.tools.forced import NamedParser, RequiredParser
+from hybridlb.api.openai.tools import ToolStream, extract, make_parser
+from hybridlb.api.openai.tools.forced import NamedParser, RequiredParser
 
 DELTAS = 8000  # a long call: a file the model writes through a tool
 WINDOW = 1000  # the first and the last deltas timed

@@ -4,9 +4,9 @@
 
 from __future__ import annotations
 
-from hybridlb.api.tools.base import Scan, ToolParser
-from hybridlb.api.tools.json_calls import JsonCalls
-from hybridlb.api.tools.json_scan import skip_ws
+from hybridlb.api.openai.tools.base import Scan, ToolParser
+from hybridlb.api.openai.tools.json_calls import JsonCalls
+from hybridlb.api.openai.tools.json_scan import skip_ws
 
 TAG = "<|python_tag|>"
 

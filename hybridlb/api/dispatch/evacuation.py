@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-log = logging.getLogger("hybridlb.api.engine_client")  # beside the connection's own lines
+log = logging.getLogger("hybridlb.api.dispatch.engine_client")  # beside the connection's own lines
 OUTCOMES = ("moved", "lost", "abandoned")
 
 

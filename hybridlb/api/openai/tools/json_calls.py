@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import json
 
-from hybridlb.api.tools.base import CallSoFar
-from hybridlb.api.tools.json_scan import ObjectScan, skip_ws
+from hybridlb.api.openai.tools.base import CallSoFar
+from hybridlb.api.openai.tools.json_scan import ObjectScan, skip_ws
 
 
 class JsonCall:

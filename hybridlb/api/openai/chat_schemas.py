@@ -1,6 +1,6 @@
 """The chat completions request body: messages (with tool calls and their results), tools,
 tool choice, and what reaches the chat template. Shared fields and bounds are in
-``hybridlb.api.schemas``."""
+``hybridlb.api.openai.schemas``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from hybridlb.api.errors import APIError
-from hybridlb.api.schemas import MAX_TOOLS, SamplingRequest, Text
+from hybridlb.api.openai.schemas import MAX_TOOLS, SamplingRequest, Text
 from hybridlb.params import MAX_LOGPROBS
 
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import secrets
 import string
 
-from hybridlb.api.tools.base import CallSoFar, MarkerSearch, Scan, ToolParser, content_before
-from hybridlb.api.tools.json_calls import JsonCalls
-from hybridlb.api.tools.json_scan import ValueScan, skip_ws
+from hybridlb.api.openai.tools.base import CallSoFar, MarkerSearch, Scan, ToolParser, content_before
+from hybridlb.api.openai.tools.json_calls import JsonCalls
+from hybridlb.api.openai.tools.json_scan import ValueScan, skip_ws
 
 MARK = "[TOOL_CALLS]"
 ARGS = "[ARGS]"

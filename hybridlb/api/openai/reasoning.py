@@ -13,7 +13,7 @@ read only the content.
 
 from __future__ import annotations
 
-from hybridlb.api.tools.base import held_back
+from hybridlb.api.openai.tools.base import held_back
 
 START, END = "<think>", "</think>"
 PARSERS = ("deepseek_r1", "qwen3")

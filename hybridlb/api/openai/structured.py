@@ -14,7 +14,7 @@ import functools
 import json
 
 from hybridlb.api.errors import APIError
-from hybridlb.api.schemas import SamplingRequest
+from hybridlb.api.openai.schemas import SamplingRequest
 from hybridlb.config import StructuredOutputsConfig
 from hybridlb.grammar import GrammarError, check
 from hybridlb.params import Constraint

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybridlb.api import reasoning
-from hybridlb.api.tools import ToolParser, ToolStream, extract
+from hybridlb.api.openai import reasoning
+from hybridlb.api.openai.tools import ToolParser, ToolStream, extract
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,9 @@ before the first call is content."""
 
 from __future__ import annotations
 
-from hybridlb.api.tools.base import CallSoFar, MarkerSearch, Scan, ToolParser, content_before
-from hybridlb.api.tools.json_calls import JsonCall
-from hybridlb.api.tools.json_scan import skip_ws
+from hybridlb.api.openai.tools.base import CallSoFar, MarkerSearch, Scan, ToolParser, content_before
+from hybridlb.api.openai.tools.json_calls import JsonCall
+from hybridlb.api.openai.tools.json_scan import skip_ws
 
 START = "<tool_call>"
 

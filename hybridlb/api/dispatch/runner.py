@@ -7,10 +7,10 @@ was lost mid-stream to another engine of the node with the tokens it already has
 models, ``api.migration_limit`` times), and gives up on one its engine has said nothing
 about for ``api.request_timeout_s``. A request an engine's failure takes off it counts once:
 migrated when it goes on elsewhere, lost when its client gets the error
-(``hybridlb.api.evacuation``). Text comes from the same
+(``hybridlb.api.dispatch.evacuation``). Text comes from the same
 incremental detokenizer (stop strings included) the offline ``LLM`` uses. Work on each
 output's tokens that needs the whole text so far (a tool-call or reasoning parser) reads
-the ``Delta``s this yields, in ``hybridlb.api.responses``.
+the ``Delta``s this yields, in ``hybridlb.api.openai.responses``.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from hybridlb.api.admission import RETRY_AFTER_S
-from hybridlb.api.engine_client import EngineConnection, EngineUnavailable
+from hybridlb.api.dispatch.admission import RETRY_AFTER_S
+from hybridlb.api.dispatch.engine_client import EngineConnection, EngineUnavailable
+from hybridlb.api.dispatch.metrics import Finished, Metrics
+from hybridlb.api.dispatch.pool import EnginePool, all_busy
 from hybridlb.api.errors import APIError
-from hybridlb.api.metrics import Finished, Metrics
-from hybridlb.api.pool import EnginePool, all_busy
 from hybridlb.checkpoint.detokenizer import IncrementalDetokenizer, visible
 from hybridlb.checkpoint.tokenizer import Tokenizer
 from hybridlb.params import SamplingParams

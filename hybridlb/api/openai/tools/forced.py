@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import json
 
-from hybridlb.api.tools.base import CallSoFar, Scan, ToolParser
-from hybridlb.api.tools.json_calls import JsonCalls
-from hybridlb.api.tools.json_scan import skip_ws
+from hybridlb.api.openai.tools.base import CallSoFar, Scan, ToolParser
+from hybridlb.api.openai.tools.json_calls import JsonCalls
+from hybridlb.api.openai.tools.json_scan import skip_ws
 
 ANY_OBJECT = {"type": "object"}
 

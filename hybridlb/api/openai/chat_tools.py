@@ -14,11 +14,17 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from hybridlb.api import structured
-from hybridlb.api.chat_schemas import ChatCompletionRequest, NamedToolChoice
 from hybridlb.api.errors import APIError
-from hybridlb.api.tools import ToolParser, make_parser
-from hybridlb.api.tools.forced import NamedParser, RequiredParser, arguments_schema, named_schema, required_schema
+from hybridlb.api.openai import structured
+from hybridlb.api.openai.chat_schemas import ChatCompletionRequest, NamedToolChoice
+from hybridlb.api.openai.tools import ToolParser, make_parser
+from hybridlb.api.openai.tools.forced import (
+    NamedParser,
+    RequiredParser,
+    arguments_schema,
+    named_schema,
+    required_schema,
+)
 from hybridlb.config import ApiConfig, StructuredOutputsConfig
 from hybridlb.params import Constraint
 

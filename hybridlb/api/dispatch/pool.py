@@ -1,7 +1,7 @@
 """The API server's engines: which are up, what the coordinator says of them, and which one
 takes the next request.
 
-``EnginePool.submit`` picks an engine by ``lb.policy`` (``hybridlb.api.balance``) and sends
+``EnginePool.submit`` picks an engine by ``lb.policy`` (``hybridlb.api.dispatch.balance``) and sends
 the request in one step, with no ``await`` in between, so the next pick already counts
 it as in flight there. A routing rule that looks at more than load and prefixes (an
 adapter a rank holds, say) belongs in ``pick``, as a ``RankView`` field weighed by
@@ -15,9 +15,10 @@ import itertools
 import logging
 import time
 
-from hybridlb.api.admission import RETRY_AFTER_S
-from hybridlb.api.balance import MAX_LOAD_GAP, choose_cache_aware, choose_engine
-from hybridlb.api.engine_client import EngineConnection, EngineUnavailable, MessageTooLarge
+from hybridlb.api.dispatch.admission import RETRY_AFTER_S
+from hybridlb.api.dispatch.balance import choose_cache_aware, choose_engine
+from hybridlb.api.dispatch.engine_client import EngineConnection, EngineUnavailable, MessageTooLarge
+from hybridlb.api.dispatch.lora import prefer_holders
 from hybridlb.api.errors import APIError
 from hybridlb.params import LoRARequest, SamplingParams
 from hybridlb.prefix_hash import adapter_seed, block_hashes
@@ -170,7 +171,7 @@ class EnginePool:
         load, weighted by how long each request there stays beside this one's ``params.max_tokens``,
         and its queue of prompts to prefill, and sends a request for LoRA ``adapter`` to a
         rank holding it when one is within MAX_LOAD_GAP requests of the least loaded, see
-        ``prefer_holders``). ``rank`` is a global one (``resolve_rank``)."""
+        ``hybridlb.api.dispatch.lora.prefer_holders``). ``rank`` is a global one (``resolve_rank``)."""
         if (outage := self.outage()) is not None:
             raise APIError(503, outage)
         if rank is not None:
@@ -195,24 +196,6 @@ class EnginePool:
         if not engine.alive:
             raise APIError(503, f"engine {engine.rank} is not available")
         return engine
-
-
-def prefer_holders(live: list[EngineConnection], adapter: str) -> list[EngineConnection]:
-    """The ranks a request for LoRA ``adapter`` may go to. Among those within MAX_LOAD_GAP
-    requests of the least loaded (the gap ``cache_aware`` allows a cached prefix): the ones
-    holding the adapter; if none does, the ones holding the fewest adapters (a free slot evicts
-    nothing, and a node's adapters spread over its ranks). A hot adapter whose holders are all
-    further above the least loaded rank than the gap spreads to it."""
-    floor = min(engine.requests for engine in live)
-    near = [e for e in live if e.requests <= floor + MAX_LOAD_GAP and not e.queue_full]
-    if not near:
-        return live
-    held = {e.rank: e.adapters() for e in near}
-    holders = [e for e in near if adapter in held[e.rank]]
-    if holders:
-        return holders
-    fewest = min(len(names) for names in held.values())
-    return [e for e in near if len(held[e.rank]) == fewest]
 
 
 def all_busy() -> APIError:

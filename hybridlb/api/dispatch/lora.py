@@ -1,7 +1,7 @@
-"""LoRA adapters as one API server serves them: the names requests may give as ``model``
-(``--lora-modules``, and adapters loaded at run time), their cards in /v1/models, and vLLM's
-runtime endpoints ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (present only
-with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` set, as in vLLM).
+"""LoRA adapters in one API server process, the one place it keeps them: the names requests may
+give as ``model`` (``--lora-modules``, and adapters loaded at run time, see
+``hybridlb.api.openai.lora_routes``), their cards in /v1/models, which ranks hold which adapter
+(``HeldAdapters``), and where a request for one goes (``prefer_holders``).
 
 An adapter is checked against the base model when it is registered (a bad directory is a
 400 naming the problem); engines read it when a request first needs it, or at once with
@@ -16,20 +16,14 @@ map the server's files.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
-import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import Protocol, TypeVar
 
-import msgspec
-from fastapi import Request
-from fastapi.responses import PlainTextResponse
-
-from hybridlb.api.errors import APIError
+from hybridlb.api.dispatch.balance import MAX_LOAD_GAP
 from hybridlb.checkpoint.lora import WEIGHTS_FILE, AdapterError, AdapterMissing, read_adapter
 from hybridlb.checkpoint.spec import ModelSpec, load_spec
 from hybridlb.config import Config, LoRAConfig
@@ -38,7 +32,7 @@ from hybridlb.params import LoRARequest
 log = logging.getLogger(__name__)
 
 RUNTIME_UPDATES_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
-NAME = re.compile(r"[^\s,]{1,128}")  # names are joined with commas in vllm:lora_requests_info
+ADAPTER_SENT_S = 2.0  # a rank sent a LoRA request this recently counts as holding the adapter
 NO_ROOTS = ("loading adapters at run time is off: no allowed roots; start the server with --lora-allowed-root "
             "DIR (engine.lora.allowed_roots), the directory clients may load adapters from")
 
@@ -142,60 +136,50 @@ class AdapterRegistry:
                  "parent": a.parent, "max_model_len": None} for name, a in self.adapters.items()]
 
 
-class LoadLoRAAdapter(msgspec.Struct, forbid_unknown_fields=True):
-    lora_name: str
-    lora_path: Annotated[str, msgspec.Meta(max_length=4096)]  # PATH_MAX: error messages quote it
-    load_inplace: bool = False  # replace an adapter of the same name (vLLM's flag)
+class HeldAdapters:
+    """Which LoRA adapters one rank holds, as this API server sees it: those its latest stats
+    list, and those it will hold: this server sent it a request for them in the last
+    ADAPTER_SENT_S (stats lag behind)."""
+
+    def __init__(self):
+        self.sent: dict[str, float] = {}  # adapter -> when this server last sent a request for it
+
+    def record(self, lora: LoRARequest | None) -> None:
+        if lora is not None:
+            self.sent[lora.name] = time.monotonic()
+
+    def names(self, loaded: list[str]) -> set[str]:
+        """``loaded``: the adapters the rank's latest stats say it holds."""
+        now = time.monotonic()
+        return {name for name, sent in self.sent.items() if now - sent < ADAPTER_SENT_S} | set(loaded)
 
 
-class UnloadLoRAAdapter(msgspec.Struct, forbid_unknown_fields=True):
-    lora_name: str
-    lora_int_id: int | None = None  # vLLM accepts it; names identify adapters here
+class Rank(Protocol):
+    """What ``prefer_holders`` reads of an engine (``EngineConnection``)."""
+
+    rank: int
+    requests: int
+    queue_full: bool
+
+    def adapters(self) -> set[str]: ...
 
 
-async def _body(request: Request, kind: type):
-    try:
-        return msgspec.json.decode(await request.body(), type=kind)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise APIError(400, f"invalid request body: {exc}") from None
+R = TypeVar("R", bound=Rank)
 
 
-async def load_lora_adapter(request: Request):
-    ctx = request.app.state.context
-    registry: AdapterRegistry = ctx.adapters
-    body = await _body(request, LoadLoRAAdapter)
-    if not registry.enabled:
-        raise APIError(400, "this server serves no LoRA adapters; start it with --enable-lora")
-    if not body.lora_name.strip() or not body.lora_path.strip():
-        raise APIError(400, "both 'lora_name' and 'lora_path' must be provided", param="lora_name")
-    if not NAME.fullmatch(body.lora_name):
-        raise APIError(400, "lora_name must be 1 to 128 characters without spaces or commas", param="lora_name")
-    if body.lora_name in ctx.served_names:
-        raise APIError(400, f"'{body.lora_name}' is the base model's name; give the adapter another", param="lora_name")
-    if body.lora_name in registry.adapters and not body.load_inplace:
-        raise APIError(400, f"The lora adapter '{body.lora_name}' has already been loaded. If you want to load the "
-                            "adapter in place, set 'load_inplace' to True.", param="lora_name")
-    try:  # reading the header and config touches the disk: not on the event loop
-        adapter = await asyncio.to_thread(registry.load, body.lora_name, body.lora_path)
-    except AdapterError as exc:
-        raise APIError(400, f"adapter '{body.lora_name}': {exc}", param="lora_path") from None
-    if registry.eager:
-        for engine in ctx.pool.engines:
-            engine.load_adapters([adapter.request])
-    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
-
-
-async def unload_lora_adapter(request: Request):
-    ctx = request.app.state.context
-    registry: AdapterRegistry = ctx.adapters
-    body = await _body(request, UnloadLoRAAdapter)
-    if registry.adapters.pop(body.lora_name, None) is None:
-        raise APIError(404, f"The lora adapter '{body.lora_name}' cannot be found.", param="lora_name",
-                       code="not_found")
-    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
-
-
-RUNTIME_ROUTES = (
-    ("/v1/load_lora_adapter", ["POST"], load_lora_adapter),
-    ("/v1/unload_lora_adapter", ["POST"], unload_lora_adapter),
-)
+def prefer_holders(live: list[R], adapter: str) -> list[R]:
+    """The ranks a request for LoRA ``adapter`` may go to. Among those within MAX_LOAD_GAP
+    requests of the least loaded (the gap ``cache_aware`` allows a cached prefix): the ones
+    holding the adapter; if none does, the ones holding the fewest adapters (a free slot evicts
+    nothing, and a node's adapters spread over its ranks). A hot adapter whose holders are all
+    further above the least loaded rank than the gap spreads to it."""
+    floor = min(engine.requests for engine in live)
+    near = [e for e in live if e.requests <= floor + MAX_LOAD_GAP and not e.queue_full]
+    if not near:
+        return live
+    held = {e.rank: e.adapters() for e in near}
+    holders = [e for e in near if adapter in held[e.rank]]
+    if holders:
+        return holders
+    fewest = min(len(names) for names in held.values())
+    return [e for e in near if len(held[e.rank]) == fewest]

@@ -1,6 +1,6 @@
 """Every HTTP route of an API server (``ROUTES``, installed on the app by ``install``). Each
 takes what it works with as an explicit dependency: the server's ``ApiContext``
-(``hybridlb.api.context``)."""
+(``hybridlb.api.openai.context``)."""
 
 from __future__ import annotations
 
@@ -14,15 +14,15 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from hybridlb import __version__
-from hybridlb.api.chat_schemas import ChatCompletionRequest
-from hybridlb.api.context import ApiContext
-from hybridlb.api.engine_client import EngineConnection
+from hybridlb.api.dispatch.engine_client import EngineConnection
 from hybridlb.api.errors import APIError, error_response
-from hybridlb.api.jobs import chat_job, completion_job, prepare
-from hybridlb.api.lora import RUNTIME_ROUTES
-from hybridlb.api.responses import respond
-from hybridlb.api.schemas import CompletionRequest
-from hybridlb.api.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize, tokenizer_info
+from hybridlb.api.openai.chat_schemas import ChatCompletionRequest
+from hybridlb.api.openai.context import ApiContext
+from hybridlb.api.openai.jobs import chat_job, completion_job, prepare
+from hybridlb.api.openai.lora_routes import RUNTIME_ROUTES
+from hybridlb.api.openai.responses import respond
+from hybridlb.api.openai.schemas import CompletionRequest
+from hybridlb.api.openai.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize, tokenizer_info
 
 
 def _context(request: Request) -> ApiContext:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 
-from hybridlb.api.tools.base import CallSoFar, Scan, ToolParser, content_before, held_back
+from hybridlb.api.openai.tools.base import CallSoFar, Scan, ToolParser, content_before, held_back
 
 __all__ = ["CallSoFar", "Scan", "ToolParser", "ToolStream", "content_before", "extract", "held_back", "make_parser"]
 
@@ -101,7 +101,7 @@ class ToolStream:
 
 
 def make_parser(name: str) -> ToolParser:
-    from hybridlb.api.tools import hermes, llama3_json, mistral, pythonic
+    from hybridlb.api.openai.tools import hermes, llama3_json, mistral, pythonic
 
     parsers = {"hermes": hermes.HermesParser, "llama3_json": llama3_json.Llama3JsonParser,
                "mistral": mistral.MistralParser, "pythonic": pythonic.PythonicParser}

@@ -17,14 +17,14 @@ from dataclasses import dataclass, field
 import msgspec
 from fastapi import Request
 
-from hybridlb.api import structured
-from hybridlb.api.chat_output import ChatOutput
-from hybridlb.api.chat_schemas import ChatCompletionRequest
-from hybridlb.api.chat_tools import chat_tools
-from hybridlb.api.context import ApiContext
 from hybridlb.api.errors import APIError
-from hybridlb.api.reasoning import reasoning_ended, reasoning_opened
-from hybridlb.api.schemas import MAX_PROMPTS, CompletionRequest, SamplingRequest
+from hybridlb.api.openai import structured
+from hybridlb.api.openai.chat_output import ChatOutput
+from hybridlb.api.openai.chat_schemas import ChatCompletionRequest
+from hybridlb.api.openai.chat_tools import chat_tools
+from hybridlb.api.openai.context import ApiContext
+from hybridlb.api.openai.reasoning import reasoning_ended, reasoning_opened
+from hybridlb.api.openai.schemas import MAX_PROMPTS, CompletionRequest, SamplingRequest
 from hybridlb.params import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, Constraint, SamplingParams
 
 MAX_BAD_WORD_CHARS = 1024  # like a stop string's limit; checked before tokenizing

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from hybridlb.api.chat_schemas import ChatMessage
-from hybridlb.api.context import ApiContext
 from hybridlb.api.errors import APIError
-from hybridlb.api.schemas import Int64, Text
+from hybridlb.api.openai.chat_schemas import ChatMessage
+from hybridlb.api.openai.context import ApiContext
+from hybridlb.api.openai.schemas import Int64, Text
 
 
 class TokenizeRequest(BaseModel):

@@ -131,7 +131,7 @@ class SamplingRequest(BaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True  # the fast tokenizer's decoding: false is a 400
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # keep the last k prompt tokens (-1: max_model_len)
-    # Structured outputs (see hybridlb.api.structured): one of these at most.
+    # Structured outputs (see hybridlb.api.openai.structured): one of these at most.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     guided_json: dict | bool | Text | None = None

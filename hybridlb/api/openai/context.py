@@ -1,10 +1,5 @@
-"""What one API server is and holds: its place in the cluster (``ApiServerSpec``, from the
-launcher) and the objects every route works with (``ApiContext``, built by ``create_app``).
-
-Light on purpose: launchers import ``ApiServerSpec`` and a spawned API server unpickles
-it before it imports its metrics library (which reads ``PROMETHEUS_MULTIPROC_DIR`` once,
-at import; ``hybridlb.api.http_server.use_shared_metrics``).
-"""
+"""What every OpenAI route works with (``ApiContext``, built by ``hybridlb.api.app.create_app``):
+the server's config, tokenizer and metrics, its adapters, and the node's engines."""
 
 from __future__ import annotations
 
@@ -13,32 +8,17 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from hybridlb.api.errors import APIError
+from hybridlb.api.spec import ApiServerSpec
 
 if TYPE_CHECKING:
-    from hybridlb.api.admission import Slots
-    from hybridlb.api.logprobs import LogprobFormatter
-    from hybridlb.api.lora import AdapterRegistry
-    from hybridlb.api.metrics import Metrics
-    from hybridlb.api.pool import EnginePool
-    from hybridlb.api.runner import RequestRunner
+    from hybridlb.api.dispatch.admission import Slots
+    from hybridlb.api.dispatch.lora import AdapterRegistry
+    from hybridlb.api.dispatch.metrics import Metrics
+    from hybridlb.api.dispatch.pool import EnginePool
+    from hybridlb.api.dispatch.runner import RequestRunner
+    from hybridlb.api.openai.logprobs import LogprobFormatter
     from hybridlb.checkpoint.tokenizer import Tokenizer
     from hybridlb.config import Config
-
-
-@dataclass(frozen=True)
-class ApiServerSpec:
-    """Which engines one API server fronts, and how it fits in the cluster."""
-
-    engines: tuple[tuple[int, str], ...]  # (global rank, address)
-    name: str = "api:0"
-    node: int = 0
-    mode: str = "hybrid"
-    coordinator_loads: str | None = None
-    policy: str = "cache_aware"
-    cluster_token: str | None = None  # keys for TCP sockets (``hybridlb.transport``), resolved by the launcher
-    # Several API server processes share the node's port: one /metrics for all of them, kept in
-    # files here (whichever process answers a scrape reports the node's totals).
-    metrics_dir: str | None = None
 
 
 @dataclass

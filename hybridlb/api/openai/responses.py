@@ -20,9 +20,9 @@ import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from hybridlb.api.context import ApiContext
 from hybridlb.api.errors import APIError
-from hybridlb.api.jobs import Job
+from hybridlb.api.openai.context import ApiContext
+from hybridlb.api.openai.jobs import Job
 from hybridlb.params import SamplingParams
 
 log = logging.getLogger(__name__)

@@ -27,9 +27,10 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from hybridlb import lifecycle
-from hybridlb.api.balance import RankView, load_score
-from hybridlb.api.evacuation import Evacuation
-from hybridlb.api.prefix_index import PrefixIndex
+from hybridlb.api.dispatch.balance import RankView, load_score
+from hybridlb.api.dispatch.evacuation import Evacuation
+from hybridlb.api.dispatch.lora import HeldAdapters
+from hybridlb.api.dispatch.prefix_index import PrefixIndex
 from hybridlb.params import LoRARequest, SamplingParams
 from hybridlb.protocol import (
     AbortRequests,
@@ -55,7 +56,6 @@ _HEARTBEAT_TIMEOUT_MS = 5000
 # loop is, so only a frozen or hung process misses them; find it sooner than across a network.
 _LOCAL_HEARTBEAT_MS = 500
 _LOCAL_HEARTBEAT_TIMEOUT_MS = 2000
-ADAPTER_SENT_S = 2.0  # a rank sent a LoRA request this recently counts as holding the adapter
 STALL_STEPS = 3.0  # an engine silent for this many of its longest steps is stuck (stall_limit_s)
 STALL_GRACE_S = 0.5  # a watchdog tick this late means the API server itself was not running
 
@@ -108,7 +108,7 @@ class EngineConnection:
         # request id -> how many more tokens it may generate (its max_tokens, else up to the
         # model length), counted down as they arrive: how long it will keep the rank busy
         self.budgets: dict[str, int] = {}
-        self.adapters_sent: dict[str, float] = {}  # LoRA adapter -> when this server last sent a request for it
+        self.held = HeldAdapters()  # the LoRA adapters the rank holds, as far as this server knows
         self.info: EngineReady | None = None
         self.alive = False
         self.stats: EngineStats | None = None
@@ -161,8 +161,7 @@ class EngineConnection:
         self.prefilling[request_id] = max(0, len(prompt_token_ids) + len(resumed) - cached_tokens)
         self.budgets[request_id] = self.output_budget(len(prompt_token_ids), params, len(resumed))
         self.socket.send(frame, copy=False)
-        if params.lora is not None:
-            self.adapters_sent[params.lora.name] = time.monotonic()
+        self.held.record(params.lora)
         return queue
 
     def release(self, request_id: str, abort: bool) -> None:
@@ -286,11 +285,8 @@ class EngineConnection:
         return max(sum(self._reported), len(self.streams))
 
     def adapters(self) -> set[str]:
-        """The LoRA adapters the rank holds by its latest stats, and those it will: this server
-        sent it a request for them in the last ADAPTER_SENT_S (stats lag behind)."""
-        now = time.monotonic()
-        recent = {name for name, sent in self.adapters_sent.items() if now - sent < ADAPTER_SENT_S}
-        return recent | set(self.stats.lora_loaded if self.stats is not None else ())
+        """The LoRA adapters the rank holds or soon will (``HeldAdapters``)."""
+        return self.held.names(self.stats.lora_loaded if self.stats is not None else [])
 
     def output_budget(self, prompt_tokens: int, params: SamplingParams, done: int = 0) -> int:
         """How many tokens a request may still generate here: its ``max_tokens`` less the

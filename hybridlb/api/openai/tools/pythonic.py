@@ -12,7 +12,7 @@ import ast
 import json
 import re
 
-from hybridlb.api.tools.base import CallSoFar, Scan, ToolParser
+from hybridlb.api.openai.tools.base import CallSoFar, Scan, ToolParser
 
 START, END = "<|python_start|>", "<|python_end|>"
 _NAMES = {"true": True, "false": False, "null": None, "True": True, "False": False, "None": None}
