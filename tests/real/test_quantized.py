@@ -4,8 +4,6 @@ scores the same on lm-eval, in far less memory; int8 quantized at load follows f
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import httpx
 import openai
 import pytest
@@ -81,10 +79,8 @@ def test_lm_eval_scores_within_2_points_of_the_dequantized_engine(servers, smoll
     generations) through lm_eval's local-completions client, as users score a model: the file's 4-bit
     blocks kept, and int8 quantized at load, each within 2 points of the float32 engine."""
     pytest.importorskip("lm_eval")
-    # The three runs at once: each is mostly lm_eval's own start and its client waiting on a server.
-    with ThreadPoolExecutor(3) as pool:
-        dense, *quantized = pool.map(lambda pair: run_lm_eval(pair[0].url, smollm2_hf_dir, tmp_path / pair[1]),
-                                     zip(servers, ("dense", "kept", "int8"), strict=True))
+    dense, *quantized = (run_lm_eval(server.url, smollm2_hf_dir, tmp_path / name)
+                         for server, name in zip(servers, ("dense", "kept", "int8"), strict=True))
     for scores in quantized:
         for task, metric in (("hybridlb_smoke_mc", "acc,none"), ("hybridlb_smoke_gen", "exact_match,none")):
             assert abs(scores[task][metric] - dense[task][metric]) <= 0.02, (task, scores[task], dense[task])
