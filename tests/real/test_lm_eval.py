@@ -1,32 +1,14 @@
 """lm-evaluation-harness against the real-model server, as its users run it: `lm_eval --model
 local-completions` on the repository's local tasks (tests/real/evals), loglikelihood and
 generate_until. Each scored choice's log-likelihood equals transformers' (float32) for the
-same tokens, and each generation equals transformers' greedy text."""
+same tokens, and each generation equals transformers' greedy text. The run: tests/real/conftest.py."""
 
 from __future__ import annotations
-
-import json
 
 import pytest
 import torch
 
-from tests.real.lm_eval_runner import TASKS, run_lm_eval
-
 pytest.importorskip("lm_eval")
-
-
-@pytest.fixture(scope="module")
-def lm_eval_run(smollm2_server, smollm2_hf_dir, tmp_path_factory) -> dict[str, list[dict]]:
-    """One lm_eval run over both tasks; its logged samples per task."""
-    out = tmp_path_factory.mktemp("lm_eval")
-    results = run_lm_eval(smollm2_server.url, smollm2_hf_dir, out, log_samples=True)
-    samples = {}
-    for task in TASKS:
-        files = list(out.rglob(f"samples_{task}_*.jsonl"))
-        assert files, f"no samples written for {task}"
-        samples[task] = [json.loads(line) for line in files[0].read_text().splitlines()]
-    samples["results"] = results
-    return samples
 
 
 def test_loglikelihoods_equal_transformers(lm_eval_run, smollm2_transformers):
