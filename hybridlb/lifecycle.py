@@ -179,17 +179,23 @@ SUN_PATH_BYTES = 107
 MAX_SOCKET_DIR = SUN_PATH_BYTES - 48
 
 
+def socket_tmpdir() -> str:
+    """Where runtime directories holding IPC sockets go: TMPDIR, unless it is too long for the
+    sockets' paths to fit in sun_path; then /tmp."""
+    base = tempfile.gettempdir()
+    if len(base) <= MAX_SOCKET_DIR:
+        return base
+    log.info("TMPDIR %s is too long for the IPC sockets' paths (%d bytes at most); they go under /tmp",
+             base, SUN_PATH_BYTES)
+    return "/tmp"
+
+
 def private_dir(path: str | None = None) -> str:
     """A directory only this user can enter (0700), for IPC sockets and metrics files: a new
     temporary one, or ``path``, made if missing and refused if another user could enter it
     (anyone who can connect to an engine's socket can send it requests)."""
     if path is None:
-        base = tempfile.gettempdir()
-        if len(base) > MAX_SOCKET_DIR:  # the sockets' paths would not fit in sun_path
-            log.info("TMPDIR %s is too long for the IPC sockets' paths (%d bytes at most); they go under /tmp",
-                     base, SUN_PATH_BYTES)
-            base = "/tmp"
-        return tempfile.mkdtemp(prefix="hybridlb-", dir=base)  # mkdtemp makes it 0700
+        return tempfile.mkdtemp(prefix="hybridlb-", dir=socket_tmpdir())  # mkdtemp makes it 0700
     os.makedirs(path, mode=0o700, exist_ok=True)
     info = os.stat(path, follow_symlinks=False)
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():

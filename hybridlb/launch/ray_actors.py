@@ -15,7 +15,6 @@ import os
 import random
 import shutil
 import socket
-import tempfile
 import threading
 
 import ray
@@ -28,7 +27,9 @@ def _node_ip() -> str:
 
 
 def _runtime_path(cluster: str) -> str:
-    return os.path.join(tempfile.gettempdir(), f"hybridlb-ray-{cluster}")
+    from hybridlb import lifecycle
+
+    return os.path.join(lifecycle.socket_tmpdir(), f"hybridlb-ray-{cluster}")
 
 
 def _runtime_dir(cluster: str) -> str:

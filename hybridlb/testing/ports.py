@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import random
 import socket
 
@@ -23,7 +22,8 @@ def free_port_range(count: int) -> int:
     every bind to port 0 get their ports) and above Ray's worker ports (10002-19999): a port handed
     out cannot be taken by a connection some process (a Ray worker, another server) opens before
     the server binds it, and is never handed out twice in one run."""
-    low, high = _band()
+    band = quiet_port_band()
+    low, high = band.start, band.stop
     for _ in range(200):
         base = random.randrange(low, high - count)
         block = set(range(base, base + count))
@@ -41,15 +41,3 @@ def port_is_free(port: int) -> bool:
         except OSError:
             return False
     return True
-
-
-def _band() -> tuple[int, int]:
-    """The quiet band, or under pytest-xdist this worker's share of it: workers never hand out the same
-    port, even in the moment between one drawing it and its server binding it."""
-    band = quiet_port_band()
-    worker, workers = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
-    if not (worker.startswith("gw") and worker[2:].isdigit() and workers.isdigit()):
-        return band.start, band.stop
-    share = (band.stop - band.start) // int(workers)
-    low = band.start + int(worker[2:]) * share
-    return low, low + share
