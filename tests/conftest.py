@@ -14,8 +14,9 @@ from hybridlb.testing.models import SMOLLM2, load_smollm2_transformers, save_hf_
 
 # unit: in-process, no subprocess, no Ray (tests/unit/conftest.py enforces it); process: one engine
 # or one `serve` tree; cluster: several ranks or nodes, Ray, namespaces, gateways, chaos; real: the
-# real SmolLM2 against transformers, lm-eval, peft; gpu: CUDA only.
-TIERS = ("unit", "process", "cluster", "real", "gpu")
+# real SmolLM2 against transformers, lm-eval, peft; gpu: CUDA only; vllm: vLLM's engine as the backend
+# (its own venv and CI step).
+TIERS = ("unit", "process", "cluster", "real", "gpu", "vllm")
 _ROOT = Path(__file__).parent
 
 

@@ -57,8 +57,8 @@ def help_text(each: Flag) -> str:
     values = choices(each.field.annotation)
     if any(not re.search(rf"\b{re.escape(value)}\b", description) for value in values):
         parts.append(f"One of: {', '.join(values)}.")
-    if each.parse == "json":
-        parts.append(f"As JSON, with the keys {', '.join(section_of(each.field.annotation).model_fields)}.")
+    if each.parse == "json" and (section := section_of(each.field.annotation)) is not None:
+        parts.append(f"As JSON, with the keys {', '.join(section.model_fields)}.")
     if each.parse == "length":
         parts.append("Written as vLLM does too: 4096, 32k (32,000), 32K (32,768).")
     default = default_text(each.field)

@@ -161,6 +161,13 @@ def check_model_options(cfg: Config) -> None:
     except CheckpointError as exc:
         fail(str(exc))
     check_lora_modules(cfg)
+    if cfg.engine.backend == "vllm":
+        from hybridlb.engine.vllm_backend import VllmUnavailable, check_installed
+
+        try:
+            check_installed()
+        except VllmUnavailable as exc:
+            fail(str(exc))
 
 
 def check_lora_modules(cfg: Config) -> None:

@@ -5,10 +5,11 @@
 from __future__ import annotations
 
 import os
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from hybridlb.config.backend import backend_problems
 from hybridlb.config.base import _Section, raise_all
 from hybridlb.config.flags import flag
 from hybridlb.config.lora import LoRAConfig
@@ -219,6 +220,19 @@ class EngineConfig(_Section):
         "with native bfloat16 matmuls (AMX / AVX512-BF16, as vLLM does), else float32.",
         json_schema_extra=flag(vllm=True, commands=("serve", "generate")),
     )
+    backend: Literal["hybridlb", "vllm"] = Field(
+        "hybridlb", description="Which engine each rank runs: hybridlb's own (torch and C kernels), or vLLM's "
+        "engine core in the same process (needs the [vllm] extra; see docs/vllm-backend.md). The API servers, "
+        "balancing, coordinator and launchers are hybridlb's either way.",
+        json_schema_extra=flag("--engine-backend", commands=("serve", "generate")),
+    )
+    vllm_args: dict[str, Any] = Field(
+        default_factory=dict, description="backend vllm: more of vLLM's engine arguments (EngineArgs names, e.g. "
+        "{tensor_parallel_size: 2, quantization: fp8}); with --engine-backend vllm, the vLLM flags of a command "
+        "line that hybridlb does not interpret land here. They win over what hybridlb derives from its own "
+        "options.",
+        json_schema_extra=flag(parse="json"),
+    )
     device: Literal["cpu", "cuda"] = Field("cpu", description="Where the model runs.",
                                            json_schema_extra=flag(commands=("serve", "generate")))
     quantization: Literal["int8", "int4", "gguf", "none"] | None = Field(
@@ -332,7 +346,7 @@ class EngineConfig(_Section):
     @model_validator(mode="before")
     @classmethod
     def _default_step_budget(cls, data):
-        if isinstance(data, dict) and data.get("max_num_batched_tokens") is None:
+        if isinstance(data, dict) and data.get("max_num_batched_tokens") is None and data.get("backend") != "vllm":
             data = {**data, "max_num_batched_tokens": default_step_budget(data.get("device", "cpu"),
                                                                            data.get("dtype", "auto"))}
         return data
@@ -357,6 +371,7 @@ class EngineConfig(_Section):
             problems.append("engine.simulate has no model to check drafts (speculative); drop one of them")
         if self.simulate is not None and self.lora is not None:
             problems.append("engine.simulate has no model to adapt (lora); drop one of them")
+        problems += backend_problems(self)
         if self.num_kv_blocks is not None and self.max_model_len is not None:
             try:
                 check_kv_cache_fits(self.num_kv_blocks, self.block_size, self.max_model_len)

