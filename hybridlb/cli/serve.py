@@ -18,7 +18,9 @@ SERVE_HELP = (
     "--dtype half`: the short forms -dp -dpl -dpr -dpn -dpa -dpp -dph -dpe -ep, underscores, "
     "--data-parallel-hybrid-lb / --data-parallel-external-lb for --lb-mode, --api-server-count, k/K length suffixes, "
     "several --served-model-name names, VLLM_API_KEY. A vLLM flag that changes nothing here is accepted with a note; "
-    "one whose meaning hybridlb would change is an error saying what to do instead. Every problem of a command line "
+    "one whose meaning hybridlb would change is an error saying what to do instead; with --engine-backend vllm, vLLM's "
+    "engine flags that hybridlb's engine does not take (-tp 2, --kv-cache-dtype fp8, --quantization awq, a flag not "
+    "listed here) go to vLLM's engine as written (--vllm-args). Every problem of a command line "
     "(flags, config, model options, topology, ports in use) is listed at once, by --dry-run too."
 )
 

@@ -9,13 +9,19 @@ preempted requests are recomputed) is accepted with a note saying why. One whose
 hybridlb would change, so that it would serve something other than what was asked
 (``-tp 2``, ``--kv-transfer-config``), is a problem that names it and says what to do;
 ``translate_all`` returns every problem of the line, for the CLI to list with the config's.
-Nothing is silently given another meaning.
+Nothing is silently given another meaning. With ``--engine-backend vllm`` each rank runs
+vLLM's own engine, and vLLM's engine flags that hybridlb's engine would refuse or ignore, and
+any long flag ``serve`` does not know, are handed to it (``--vllm-args``): ``vllm_passthrough``
+gives the rules.
 """
 
 from __future__ import annotations
 
 import difflib
 import re
+
+from hybridlb.cli.vllm_passthrough import OWN_QUANTIZATIONS, Passthrough, o_flag, wants_vllm
+from hybridlb.cli.vllm_passthrough import SHORT as VLLM_SHORT
 
 SHORT = {
     "-dp": "--data-parallel-size", "-dpl": "--data-parallel-size-local", "-dpr": "--data-parallel-start-rank",
@@ -148,6 +154,7 @@ class _Translation:
         self.notes: list[str] = []
         self.problems: list[str] = []
         self.lb_mode: str | None = None
+        self.vllm = Passthrough() if wants_vllm(args, _spelt) else None  # --engine-backend vllm
         if args and not args[0].startswith("-"):  # vllm serve MODEL ...
             self.out += ["--model", self.cursor.next()]
 
@@ -156,9 +163,13 @@ class _Translation:
             if not arg.startswith("-") or arg == "--":
                 self.out.append(arg)
                 continue
-            if arg.startswith("-O") and arg[2:3] not in ("", "="):  # vLLM's -O3, -O.mode=3: the compilation config
+            if self.vllm is not None and arg.startswith("-O"):  # vLLM's own: the optimization level
+                arg = o_flag(arg)
+            elif arg.startswith("-O") and arg[2:3] not in ("", "="):  # vLLM's -O3, -O.mode=3: the compilation config
                 arg = f"-O={arg[2:]}"
             flag, equals, inline = arg.partition("=")
+            if self.vllm is not None:
+                flag = VLLM_SHORT.get(flag, flag)
             self.take(_spelt(flag), inline if equals else None)
         self.finish()
 
@@ -169,6 +180,10 @@ class _Translation:
         elif flag == "--lb-mode":
             given = (self.cursor.value(inline) or "").replace("-", "_")
             self.set_lb_mode(given, f"--lb-mode {given}")
+        elif self.vllm is not None and flag == "--vllm-args":
+            self.vllm.explicit.append(self.cursor.value(inline) or "")
+        elif self.vllm is not None and self.vllm.takes(flag):
+            self.hand_to_vllm(flag, inline)
         elif (why := _no_effect(flag)) is not None:
             self.notes.append(f"{flag} has no effect: {why}")
         elif flag in NO_EFFECT_VALUES:
@@ -187,10 +202,22 @@ class _Translation:
         elif flag in ("--dtype", "--quantization") or flag in LENGTHS:
             self.take_value(flag, self.cursor.value(inline))
         elif self.known is not None and flag not in self.known:
-            self.cursor.value(inline)
-            self.problems.append(_unknown(flag, self.known))
+            if self.vllm is not None and flag.startswith("--") and not self.ours(flag.partition(".")[0]):
+                self.hand_to_vllm(flag, inline)  # one of vLLM's, for its EngineArgs to take or refuse
+            else:
+                self.cursor.value(inline)
+                self.problems.append(_unknown(flag, self.known))
         else:
             self.out.append(flag if inline is None else f"{flag}={inline}")
+
+    def hand_to_vllm(self, flag: str, inline: str | None) -> None:
+        if (problem := self.vllm.add(flag, inline, self.cursor)) is not None:
+            self.problems.append(problem)
+
+    def ours(self, flag: str) -> bool:
+        """Whether hybridlb gives ``flag`` (or the switch it negates) its own meaning."""
+        return any(name in self.known or name in REFUSED or name in NO_EFFECT_VALUES or _no_effect(name)
+                   for name in (flag, "--" + flag.removeprefix("--no-")))
 
     def set_lb_mode(self, mode: str, spelt: str) -> None:
         if self.lb_mode not in (None, mode):
@@ -218,6 +245,8 @@ class _Translation:
         elif flag == "--quantization":
             if given in (*QUANTIZATIONS, "none"):
                 self.out += [flag, given]
+            elif self.vllm is not None and given is not None and given not in OWN_QUANTIZATIONS:
+                self.vllm.add_quantization(given)  # a method of vLLM's own, for vLLM's engine
             elif given == "None":  # vLLM's unset: the default
                 self.notes.append("--quantization None: left unset, as vLLM reads it (a .gguf file stays quantized); "
                                   "--quantization none serves the weights in --dtype")
@@ -232,6 +261,8 @@ class _Translation:
                 self.problems.append(f"{flag} {given}: {exc}")
 
     def finish(self) -> None:
+        if self.vllm is not None:
+            self.vllm.finish(self.out, self.notes)
         if self.lb_mode is not None:
             self.out += ["--lb-mode", self.lb_mode]
         elif "--data-parallel-size-local" in {word.partition("=")[0] for word in self.out}:

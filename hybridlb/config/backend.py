@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from hybridlb.config.engine import EngineConfig
+from typing import Any
 
 
-def backend_problems(engine: EngineConfig) -> list[str]:
-    """What the vLLM backend cannot take (vLLM's own options go in vllm_args)."""
+def backend_problems(engine: Any) -> list[str]:
+    """What ``engine`` (an EngineConfig) cannot take with its backend: the vLLM backend's limits
+    (vLLM's own options go in vllm_args)."""
     if engine.backend != "vllm":
         return ["engine.vllm_args is for backend vllm; drop it or set engine.backend: vllm"] * bool(engine.vllm_args)
     found = []

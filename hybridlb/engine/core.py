@@ -22,6 +22,7 @@ from hybridlb.engine import blame, checks
 from hybridlb.engine.block_manager import BlockManager
 from hybridlb.engine.constraints import Constraints
 from hybridlb.engine.dp_context import DPContext
+from hybridlb.engine.errors import SickEngine
 from hybridlb.engine.lora import AdapterSlots, read_for_request
 from hybridlb.engine.request import Request
 from hybridlb.engine.scheduler import ScheduledChunk, Scheduler
@@ -48,11 +49,6 @@ class _Emitted:
     reason: str | None = None
     stop_token: int | None = None
     error: str | None = None
-
-
-class SickEngine(RuntimeError):
-    """Steps keep failing: the engine should exit (its requests move elsewhere) rather than
-    fail every request it is given."""
 
 
 class EngineCore:

@@ -13,6 +13,8 @@ what it uses, so a vLLM upgrade that moves any of it fails there, loudly.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import json
 import logging
 import os
@@ -24,8 +26,8 @@ from hybridlb.checkpoint.path import resolve
 from hybridlb.checkpoint.tokenizer import read_eos_token_ids
 from hybridlb.config import EngineConfig
 from hybridlb.engine import checks
-from hybridlb.engine.core import SickEngine
 from hybridlb.engine.dp_context import DPContext
+from hybridlb.engine.errors import SickEngine
 from hybridlb.prefix_hash import hash_seed
 from hybridlb.protocol import EngineReady, EngineStats, RequestOutput, TokenLogprobs
 
@@ -118,6 +120,11 @@ def engine_args(config: EngineConfig, path: str):
     if config.lora is not None:
         kwargs.update(enable_lora=True, max_loras=config.lora.max_loras, max_lora_rank=config.lora.max_lora_rank,
                       max_cpu_loras=config.lora.max_cpu_loras)
+    known = {field.name for field in dataclasses.fields(EngineArgs)}
+    if unknown := sorted(set(extra) - known):
+        close = {name: difflib.get_close_matches(name, sorted(known), n=1) for name in unknown}
+        raise ValueError("not vLLM engine arguments (vllm_args, or flags handed to vLLM): " + ", ".join(
+            f"{name} (did you mean {close[name][0]}?)" if close[name] else name for name in unknown))
     kwargs.update(extra)  # the user's vLLM flags win (--engine-backend vllm hands them over as given)
     return EngineArgs(**kwargs)
 
@@ -342,10 +349,12 @@ class VllmCore:
         return self.num_blocks
 
     def ready_message(self, dp_group: bool) -> EngineReady:
+        """``dp_group`` is not this rank's to claim: vLLM's torch.distributed group is its own (tensor
+        parallelism within the rank); across ranks, vLLM ranks are dense and independent."""
         return EngineReady(
             rank=self.rank, model=self.config.model, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
             num_kv_blocks=self.num_blocks, block_size=self.block_size_, eos_token_ids=sorted(self.eos_token_ids),
-            dp_group=dp_group, simulated=False, prefix_caching=self.config.prefix_caching,
+            dp_group=False, simulated=False, prefix_caching=self.config.prefix_caching,
             block_hash_seed=hash_seed(self.config.model), max_queued_requests=self.config.max_queued_requests,
         )
 

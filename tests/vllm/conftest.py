@@ -4,12 +4,15 @@ installed; elsewhere every test here is skipped."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
+# vLLM decides its platform when first imported; off CUDA it must be told (the engine process sets it too)
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 
 def pytest_collection_modifyitems(items):
