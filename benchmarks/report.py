@@ -38,7 +38,7 @@ from report_vs_vllm import step_budget, vs_vllm
 
 SECTIONS: dict[str, Callable[[Page, dict], str]] = {
     "engine_throughput": sections.engine_throughput, "api_overhead": api_overhead, "vs_vllm": vs_vllm,
-    "vs_vllm_dp2": vs_vllm,
+    "vs_vllm_dp2": vs_vllm, "vllm_backend": vs_vllm,
     "dp_overhead": sections.dp_overhead, "moe_waves": sections.moe_waves, "up_time": sections.up_time,
     "load": sections.load, "soak": sections.soak, "control_plane": sections.control_plane,
     "prefix_routing": prefix_routing, "chat_ttft": chat_ttft, "quantized": quantized,
@@ -58,6 +58,11 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {  # name: title, command, what it
                     "--dp 2 --workloads 32/64c16,32/64c64 --out benchmarks/results/vs_vllm_dp2.json",
                     "`--data-parallel-size 2` on one node against vLLM's `--data-parallel-hybrid-lb`, SmolLM2 "
                     "bfloat16, each server alone."),
+    "vllm_backend": ("hybridlb with vLLM's engine vs vLLM's own DP",
+                     ".venv-vllm/bin/python benchmarks/vllm_backend.py --workloads 32/64c16,32/64c64 --num-prompts 64",
+                     "`--engine-backend vllm --data-parallel-size 2` against `vllm serve --data-parallel-hybrid-lb` of "
+                     "the same vLLM release (what hybridlb's layer costs on vLLM's engine), with hybridlb's own engine "
+                     "on the same workloads; SmolLM2 bfloat16, each server alone."),
     "step_budget": ("The step's token budget: first tokens against output pace",
                     "python benchmarks/step_budget.py --rounds 2",
                     "hybridlb alone, SmolLM2 bfloat16, one server per `--max-num-batched-tokens`, rounds running the "

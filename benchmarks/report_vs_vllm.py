@@ -59,7 +59,8 @@ def vs_vllm(page, data: dict) -> str:
                  "output tok/s", size if " " in size else f"{size} qwen3")
 
     dp = data.get("meta", {}).get("dp", 1)
-    page.figure("vs_vllm" if dp == 1 else f"vs_vllm_dp{dp}", "output tok/s, hybridlb vs vLLM", draw,
+    figure = data.get("meta", {}).get("figure") or ("vs_vllm" if dp == 1 else f"vs_vllm_dp{dp}")
+    page.figure(figure, "output tok/s, hybridlb vs vLLM", draw,
                 len(data["results"]) - len(older))
     if older:
         page.text("Not shown: runs made by an older `vs_vllm.py` (each model and setting is one run; rerun it to "

@@ -55,3 +55,19 @@ def smollm2_hf_dir(models_dir: Path) -> str:
     if not (path / "config.json").exists():
         save_hf_dir(*load_smollm2_transformers(), path)
     return str(path)
+
+
+def peft_adapters(model_dir: str, root: Path, specs: dict[str, tuple[int, float, list[str]]]) -> dict[str, Path]:
+    """LoRA adapters of ``model_dir`` saved by peft under ``root``: name -> (rank, alpha, target
+    modules), each with random non-zero B (seeded by its place in ``specs``), so each changes the
+    greedy output."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    for seed, (name, (rank, alpha, targets)) in enumerate(specs.items()):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets,
+                                         init_lora_weights=False)).save_pretrained(Path(root) / name)
+    return {name: Path(root) / name for name in specs}

@@ -16,6 +16,7 @@ import openai
 import pytest
 import torch
 
+from hybridlb.testing.models import peft_adapters
 from hybridlb.testing.servers import Server, start_servers
 
 # name -> (rank, alpha, target modules): different ranks, modules and scalings.
@@ -33,17 +34,7 @@ RUNTIME = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
 @pytest.fixture(scope="module")
 def adapters(smollm2_hf_dir, tmp_path_factory) -> dict[str, Path]:
     """The adapters, saved by peft with random non-zero B (each changes the greedy output)."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    root = tmp_path_factory.mktemp("adapters")
-    for seed, (name, (rank, alpha, targets)) in enumerate(ADAPTERS.items()):
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_pretrained(smollm2_hf_dir, dtype=torch.float32)
-        peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets,
-                                                      init_lora_weights=False))
-        peft_model.save_pretrained(root / name)
-    return {name: root / name for name in ADAPTERS}
+    return peft_adapters(smollm2_hf_dir, tmp_path_factory.mktemp("adapters"), ADAPTERS)
 
 
 @pytest.fixture(scope="module")

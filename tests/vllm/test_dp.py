@@ -4,8 +4,6 @@ they would have had)."""
 
 from __future__ import annotations
 
-import asyncio
-import json
 import os
 import re
 import signal
@@ -15,6 +13,7 @@ import pytest
 
 from hybridlb.testing.ports import free_port
 from hybridlb.testing.servers import Server, start_servers
+from tests.process.faults.streams import run_streams
 
 pytestmark = pytest.mark.slow
 COMMON = ("--engine-backend", "vllm", "--enforce-eager", "--served-model-name", "smollm2", "--max-model-len", "512",
@@ -60,41 +59,20 @@ def test_two_nodes_in_hybrid_lb_each_serve_with_their_own_vllm_rank(smollm2_hf_d
         head.stop()
 
 
-async def _stream(client: httpx.AsyncClient, url: str, i: int, progress: list[int]) -> tuple[str, str | None]:
-    body = {"model": "smollm2", "prompt": f"Story number {i}: once upon a time", "max_tokens": MAX_TOKENS,
-            "temperature": 0, "ignore_eos": True, "stream": True}
-    text, reason = [], None
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-        assert response.status_code == 200, await response.aread()
-        async for line in response.aiter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                event = json.loads(line[6:])
-                assert "error" not in event, event
-                text.append(event["choices"][0]["text"])
-                reason = event["choices"][0].get("finish_reason") or reason
-                progress[i] += 1
-    return "".join(text), reason
-
-
-async def _run(url: str, kill=None) -> list[tuple[str, str | None]]:
-    progress = [0] * STREAMS
-    async with httpx.AsyncClient(timeout=300) as client:
-        tasks = [asyncio.create_task(_stream(client, url, i, progress)) for i in range(STREAMS)]
-        if kill is not None:
-            while min(progress) < 8:  # every stream under way, none near its end
-                await asyncio.sleep(0.05)
-            kill()
-        return await asyncio.gather(*tasks)
+def _run(url: str, kill=None) -> list[tuple[str, str | None]]:
+    bodies = [{"model": "smollm2", "prompt": f"Story number {i}: once upon a time", "max_tokens": MAX_TOKENS,
+               "temperature": 0, "ignore_eos": True, "stream": True} for i in range(STREAMS)]
+    return run_streams(url, "/v1/completions", bodies, kill)
 
 
 def test_a_killed_vllm_rank_loses_no_stream(smollm2_hf_dir):
     (server,) = start_servers(Server(smollm2_hf_dir, *COMMON, "--data-parallel-size", "2",
                                      "--restart-policy", "none"), timeout_s=300)
     try:
-        clean = asyncio.run(_run(server.url))
+        clean = _run(server.url)
         assert set(_served(server.url)) == {0, 1}  # both ranks took traffic
         engine = server.children()["hybridlb:engine:0"]
-        faulty = asyncio.run(_run(server.url, lambda: os.kill(engine, signal.SIGKILL)))
+        faulty = _run(server.url, lambda: os.kill(engine, signal.SIGKILL))
         assert faulty == clean
         migrated = re.findall(r"^hybridlb:migrated_requests_total\{[^}]*\} (\S+)$",
                               httpx.get(f"{server.url}/metrics").text, re.M)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 
+from hybridlb.testing.models import peft_adapters
 from hybridlb.testing.servers import Server, start_servers
 
 pytestmark = pytest.mark.slow
@@ -23,16 +23,7 @@ FLAGS = ("--dtype", "float32", "--enforce-eager", "--enable-lora", "--max-lora-r
 @pytest.fixture(scope="module")
 def adapters(smollm2_hf_dir, tmp_path_factory) -> dict[str, Path]:
     """peft's adapters with random non-zero B, so each changes the greedy output."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    root = tmp_path_factory.mktemp("adapters")
-    for seed, (name, (rank, alpha, targets)) in enumerate(ADAPTERS.items()):
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_pretrained(smollm2_hf_dir, dtype=torch.float32)
-        get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets,
-                                         init_lora_weights=False)).save_pretrained(root / name)
-    return {name: root / name for name in ADAPTERS}
+    return peft_adapters(smollm2_hf_dir, tmp_path_factory.mktemp("adapters"), ADAPTERS)
 
 
 def _texts(url: str) -> dict[str, list[str]]:

@@ -106,3 +106,37 @@ def kill_tree(pid: int) -> None:
     for victim in [pid, *descendants(pid)]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(victim, signal.SIGKILL)
+
+
+def run_streams(url: str, path: str, bodies: list[dict], kill=None, started: int = 8) -> list[tuple[str, str | None]]:
+    """Stream every body to ``url`` + ``path`` (completions or chat) at once; with ``kill``, call it
+    once every stream has ``started`` chunks (all under way, none near its end). Each stream's
+    (text, finish_reason); an error event or a non-200 answer fails the test."""
+    progress = [0] * len(bodies)
+
+    async def one(client: httpx.AsyncClient, i: int) -> tuple[str, str | None]:
+        text, reason = [], None
+        async with client.stream("POST", f"{url}{path}", json=bodies[i]) as response:
+            assert response.status_code == 200, await response.aread()
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                assert "error" not in event, event
+                for choice in event["choices"]:
+                    text.append((choice["delta"].get("content") if "delta" in choice else choice.get("text")) or "")
+                    reason = choice.get("finish_reason") or reason
+                    progress[i] += 1
+        return "".join(text), reason
+
+    async def main() -> list[tuple[str, str | None]]:
+        limits = httpx.Limits(max_connections=len(bodies))
+        async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+            tasks = [asyncio.create_task(one(client, i)) for i in range(len(bodies))]
+            if kill is not None:
+                while min(progress) < started:
+                    await asyncio.sleep(0.05)
+                kill()
+            return await asyncio.gather(*tasks)
+
+    return asyncio.run(main())

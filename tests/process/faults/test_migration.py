@@ -6,7 +6,6 @@ where the dead one stopped."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import re
@@ -20,6 +19,7 @@ from hybridlb.testing.ports import free_port_range
 from hybridlb.testing.servers import Server, start_servers
 from tests.cluster.dp.test_clusters import _dp_flags
 from tests.conftest import SMOLLM2
+from tests.process.faults.streams import run_streams
 
 pytestmark = pytest.mark.slow
 STREAMS = 16
@@ -39,31 +39,8 @@ def _body(i: int) -> dict:
     return body
 
 
-async def _stream(client: httpx.AsyncClient, url: str, i: int, progress: list[int]) -> tuple[str, str | None]:
-    text, reason = [], None
-    async with client.stream("POST", f"{url}/v1/chat/completions", json=_body(i)) as response:
-        assert response.status_code == 200, await response.aread()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            assert "error" not in event, event
-            for choice in event["choices"]:
-                text.append(choice["delta"].get("content") or "")
-                reason = choice.get("finish_reason") or reason
-                progress[i] += 1
-    return "".join(text), reason
-
-
-async def _run(url: str, kill=None) -> list[tuple[str, str | None]]:
-    progress = [0] * STREAMS
-    async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=STREAMS)) as client:
-        tasks = [asyncio.create_task(_stream(client, url, i, progress)) for i in range(STREAMS)]
-        if kill is not None:
-            while min(progress) < 8:  # every stream under way, none near its end
-                await asyncio.sleep(0.05)
-            kill()
-        return await asyncio.gather(*tasks)
+def _run(url: str, kill=None) -> list[tuple[str, str | None]]:
+    return run_streams(url, "/v1/chat/completions", [_body(i) for i in range(STREAMS)], kill)
 
 
 def _migrated(url: str) -> float:
@@ -86,9 +63,9 @@ def test_a_lost_engines_streams_finish_on_its_sibling_with_the_same_text(fault):
                                      "512", "--kv-cache-gib", "0.3", "--restart-policy", "none"))
     engine = server.children()["hybridlb:engine:0"]
     try:
-        clean = asyncio.run(_run(server.url))
+        clean = _run(server.url)
         signum = signal.SIGKILL if fault == "killed" else signal.SIGSTOP
-        faulty = asyncio.run(_run(server.url, lambda: os.kill(engine, signum)))
+        faulty = _run(server.url, lambda: os.kill(engine, signum))
         assert [reason for _, reason in faulty] == [reason for _, reason in clean]
         for i, ((text, _), (expected, _)) in enumerate(zip(faulty, clean, strict=True)):
             assert text == expected, (i, text, expected)
@@ -103,7 +80,7 @@ def test_a_lost_engines_streams_finish_on_its_sibling_with_the_same_text(fault):
             while _health(server.url).get("down_ranks") and time.monotonic() < deadline:
                 time.sleep(0.5)
             assert not _health(server.url).get("down_ranks")
-            assert [text for text, _ in asyncio.run(_run(server.url))] == [text for text, _ in clean]
+            assert [text for text, _ in _run(server.url)] == [text for text, _ in clean]
     finally:
         if fault == "frozen":
             os.kill(engine, signal.SIGCONT)
