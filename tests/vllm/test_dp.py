@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import time
 
 import httpx
 import pytest
@@ -65,9 +66,9 @@ def _run(url: str, kill=None) -> list[tuple[str, str | None]]:
     return run_streams(url, "/v1/completions", bodies, kill)
 
 
-def test_a_killed_vllm_rank_loses_no_stream(smollm2_hf_dir):
+def test_a_killed_vllm_rank_loses_no_stream_and_the_supervisor_restarts_it(smollm2_hf_dir):
     (server,) = start_servers(Server(smollm2_hf_dir, *COMMON, "--data-parallel-size", "2",
-                                     "--restart-policy", "none"), timeout_s=300)
+                                     "--restart-policy", "restart"), timeout_s=300)
     try:
         clean = _run(server.url)
         assert set(_served(server.url)) == {0, 1}  # both ranks took traffic
@@ -77,6 +78,15 @@ def test_a_killed_vllm_rank_loses_no_stream(smollm2_hf_dir):
         migrated = re.findall(r"^hybridlb:migrated_requests_total\{[^}]*\} (\S+)$",
                               httpx.get(f"{server.url}/metrics").text, re.M)
         assert sum(float(v) for v in migrated) >= 1
-        assert httpx.get(f"{server.url}/health", timeout=10).json()["down_ranks"] == [0]
+        deadline = time.monotonic() + 120  # the rank, not the node, starts again
+        while httpx.get(f"{server.url}/health", timeout=10).json().get("down_ranks") != []:
+            assert time.monotonic() < deadline, server.output[-3000:]
+            time.sleep(0.5)
+        assert server.children()["hybridlb:engine:0"] != engine
+        body = {"model": "smollm2", "prompt": "Story number 0: once upon a time", "max_tokens": MAX_TOKENS,
+                "temperature": 0, "ignore_eos": True}
+        again = httpx.post(f"{server.url}/v1/completions", json=body, headers={"X-data-parallel-rank": "0"},
+                           timeout=120)
+        assert again.status_code == 200 and again.json()["choices"][0]["text"] == clean[0][0]
     finally:
         server.stop()
