@@ -28,6 +28,7 @@ from hybridlb.config import EngineConfig
 from hybridlb.engine import checks
 from hybridlb.engine.dp_context import DPContext
 from hybridlb.engine.errors import SickEngine
+from hybridlb.engine.step_clock import StepClock
 from hybridlb.prefix_hash import hash_seed
 from hybridlb.protocol import EngineReady, EngineStats, RequestOutput, TokenLogprobs
 
@@ -147,7 +148,14 @@ class VllmCore:
 
         self.path = str(resolve(config.model, config.revision).path)
         vllm_config = engine_args(config, self.path).create_engine_config()
+        started = time.perf_counter()
         self.core = VllmEngineCore(vllm_config, Executor.get_class(vllm_config), log_stats=True)
+        # A step may compile the model for a shape it has not seen (torch.compile, unless eager): as
+        # long as the start's own compile took. The API server waits 3x the longest step an engine
+        # says it may take before it calls the engine stuck (a dead one it sees at once).
+        compiled = vllm_config.compilation_config.mode not in (None, 0) and not vllm_config.model_config.enforce_eager
+        self.compile_s = round(time.perf_counter() - started, 3) if compiled else 0.0
+        self.clock = StepClock(vllm_config.scheduler_config.max_num_batched_tokens)
         self.model_config = vllm_config.model_config
         self.max_model_len = self.model_config.max_model_len
         self.vocab_size = self.model_config.get_vocab_size()
@@ -260,7 +268,8 @@ class VllmCore:
                     outputs.append(converted)
         if executed:
             self.num_steps += 1
-            self.busy_s += time.perf_counter() - started
+            self.busy_s += (seconds := time.perf_counter() - started)
+            self.clock.record(seconds, 0)  # vLLM does not say how many tokens it ran: the longest step counts
         return outputs
 
     def _recover(self, exc: Exception) -> list[RequestOutput]:
@@ -319,6 +328,7 @@ class VllmCore:
             kv_usage=round(scheduler.kv_cache_manager.usage, 4), busy_s=round(self.busy_s, 3), steps=self.num_steps,
             rss_mib=self._resident_mib(), num_preemptions=self.preemptions, prefix_queries=self.prefix_queries,
             prefix_hits=self.prefix_hits, step_failures=self.step_failures,
+            longest_step_s=round(max(self.clock.longest_step_s(), self.compile_s), 3),
         )
 
     def _resident_mib(self) -> float:
