@@ -114,3 +114,17 @@ def test_no_module_imports_itself_in_a_circle():
         if module not in state:
             visit(module, [module])
     assert not circles, "\n".join(circles)
+
+
+def test_only_the_vllm_backend_imports_vllm():
+    """vLLM's internals are touched in one place, which tests/vllm/test_contract.py pins."""
+    found = []
+    for path in sorted(ROOT.rglob("*.py")):
+        if "vllm_backend" in path.parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [f"{path.relative_to(ROOT.parent)} imports {name}" for name in names
+                      if name == "vllm" or name.startswith("vllm.")]
+    assert not found, "\n".join(found)

