@@ -59,10 +59,11 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {  # name: title, command, what it
                     "`--data-parallel-size 2` on one node against vLLM's `--data-parallel-hybrid-lb`, SmolLM2 "
                     "bfloat16, each server alone."),
     "vllm_backend": ("hybridlb with vLLM's engine vs vLLM's own DP",
-                     ".venv-vllm/bin/python benchmarks/vllm_backend.py --workloads 32/64c16,32/64c64 --num-prompts 64",
+                     ".venv-vllm/bin/python benchmarks/vllm_backend.py --dtype float32 --workloads 32/64c16,32/64c64 "
+                     "--num-prompts 64",
                      "`--engine-backend vllm --data-parallel-size 2` against `vllm serve --data-parallel-hybrid-lb` of "
                      "the same vLLM release (what hybridlb's layer costs on vLLM's engine), with hybridlb's own engine "
-                     "on the same workloads; SmolLM2 bfloat16, each server alone."),
+                     "on the same workloads; SmolLM2, each server alone (float32 on a CPU without native bfloat16)."),
     "step_budget": ("The step's token budget: first tokens against output pace",
                     "python benchmarks/step_budget.py --rounds 2",
                     "hybridlb alone, SmolLM2 bfloat16, one server per `--max-num-batched-tokens`, rounds running the "
