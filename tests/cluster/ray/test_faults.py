@@ -5,7 +5,6 @@ The shared three-node Ray cluster; each test places its own hybridlb cluster on 
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import time
@@ -129,9 +128,9 @@ def test_a_killed_engines_streams_finish_on_its_sibling_under_up(ray_cluster):
     })
     try:
         (url,) = ray.get([api.url.remote() for _, api in cluster.apis])
-        clean = asyncio.run(_run(url))
+        clean = _run(url)
         engine = _pid("hybridlb:migrate:engine:0")
-        faulty = asyncio.run(_run(url, lambda: os.kill(engine, signal.SIGKILL)))
+        faulty = _run(url, lambda: os.kill(engine, signal.SIGKILL))
         for i, (got, expected) in enumerate(zip(faulty, clean, strict=True)):
             assert got == expected, (i, got, expected)
         assert _migrated(url) >= 1
