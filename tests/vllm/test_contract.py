@@ -13,6 +13,15 @@ from hybridlb.engine import vllm_backend
 from hybridlb.engine.vllm_backend.convert import FINISH
 
 
+@pytest.fixture(autouse=True)
+def _no_leaked_environment(monkeypatch):
+    """A core built in this process sets vLLM's variables (its threads' cores, in-process mode) in
+    os.environ; later tests' servers must not inherit them (a Ray actor with one CPU would get a
+    2-core binding and vLLM's attention would refuse its step)."""
+    for name in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_ENABLE_V1_MULTIPROCESSING"):
+        monkeypatch.delenv(name, raising=False)
+
+
 def test_the_engine_core_api_the_backend_drives():
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.engine import EngineCoreOutput, EngineCoreRequest, FinishReason
