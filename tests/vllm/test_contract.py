@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
 
 import pytest
 
@@ -14,12 +15,14 @@ from hybridlb.engine.vllm_backend.convert import FINISH
 
 
 @pytest.fixture(autouse=True)
-def _no_leaked_environment(monkeypatch):
-    """A core built in this process sets vLLM's variables (its threads' cores, in-process mode) in
-    os.environ; later tests' servers must not inherit them (a Ray actor with one CPU would get a
-    2-core binding and vLLM's attention would refuse its step)."""
-    for name in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_ENABLE_V1_MULTIPROCESSING"):
-        monkeypatch.delenv(name, raising=False)
+def _no_leaked_environment():
+    """vLLM, imported or run in this process, sets a score of variables in os.environ (its threads'
+    cores, LD_PRELOAD, LOCAL_WORLD_SIZE, ...); later tests' servers must not inherit them (a Ray
+    actor with one CPU got a 2-core binding and vLLM's attention refused its step)."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def test_the_engine_core_api_the_backend_drives():
