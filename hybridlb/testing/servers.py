@@ -143,3 +143,21 @@ def completion(url: str, model: str, prompt: str = "GPU", max_tokens: int = 4, *
     response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
     assert response.status_code == 200, response.text
     return response.json()
+
+
+def up_until_ready(config_path: Path, timeout_s: float) -> tuple[subprocess.Popen, list[str]]:
+    """``hybridlb up CONFIG`` in the foreground, as the README runs it, until it says it is ready:
+    the process and its output lines so far (still growing). It fails with the output if the
+    command exits or is not ready in ``timeout_s`` (and is killed then)."""
+    process = subprocess.Popen([sys.executable, "-m", "hybridlb", "up", str(config_path)], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, preexec_fn=die_with_parent)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True).start()
+    deadline = time.monotonic() + timeout_s
+    while not any("is ready" in line for line in lines):
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            process.wait()
+            raise AssertionError("hybridlb up did not become ready:\n" + "".join(lines))
+        time.sleep(0.5)
+    return process, lines

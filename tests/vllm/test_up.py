@@ -6,17 +6,14 @@ from __future__ import annotations
 import re
 import signal
 import subprocess
-import sys
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 import yaml
 
-from hybridlb.lifecycle import die_with_parent
 from hybridlb.testing.ports import free_port
+from hybridlb.testing.servers import up_until_ready
 
 pytestmark = pytest.mark.slow
 
@@ -29,16 +26,8 @@ def test_up_places_two_vllm_ranks_that_both_serve(smollm2_hf_dir, tmp_path):
               "lb": {"mode": "hybrid"}, "ray": {"name": "vllm-backend", "cpus_per_engine": 1}}
     path = tmp_path / "vllm.yaml"
     path.write_text(yaml.safe_dump(config))
-    process = subprocess.Popen([sys.executable, "-m", "hybridlb", "up", str(path)], stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, preexec_fn=die_with_parent)
-    lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True).start()
+    process, lines = up_until_ready(path, 300)
     try:
-        deadline = time.monotonic() + 300
-        while not any("is ready" in line for line in lines):
-            assert process.poll() is None, "".join(lines)
-            assert time.monotonic() < deadline, "".join(lines)
-            time.sleep(0.5)
         url = f"http://127.0.0.1:{port}"
 
         def ask(i: int) -> str:

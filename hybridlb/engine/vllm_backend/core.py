@@ -32,7 +32,7 @@ from hybridlb.prefix_hash import adapter_seed, hash_seed
 from hybridlb.protocol import EngineReady, EngineStats, RequestOutput
 
 if TYPE_CHECKING:
-    from hybridlb.params import SamplingParams
+    from hybridlb.params import LoRARequest, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -104,12 +104,12 @@ class VllmCore:
 
         try:  # vLLM's own validation too (verify): what vLLM's server would refuse is refused here
             request = EngineCoreRequest(request_id, prompt, None, self._sampling(params, max_tokens, len(resumed)),
-                                        None, time.time(), self._lora(params), None, None)
+                                        None, time.time(), self._lora(params.lora), None, None)
             vllm_request, wave = self.core.preprocess_add_request(request)
             self.core.add_request(vllm_request, wave)
         except Exception as exc:  # vLLM's own validation (a grammar it cannot compile, ...)
             return RequestOutput(request_id, [], finish_reason="error", error=f"{type(exc).__name__}: {exc}")
-        self.live[request_id] = _Live(prompt, time.monotonic())
+        self.live[request_id] = _Live(time.monotonic())
         return None
 
     def _sampling(self, params: SamplingParams, max_tokens: int, done: int):
@@ -133,23 +133,21 @@ class VllmCore:
                         getattr(self.core.structured_output_manager, "tokenizer", None))
         return sampling
 
-    def _lora(self, params: SamplingParams):
-        if params.lora is None:
+    def _lora(self, lora: LoRARequest | None):
+        """vLLM's LoRARequest for hybridlb's (an id per name, path and version)."""
+        if lora is None:
             return None
-        from vllm.lora.request import LoRARequest
+        from vllm.lora.request import LoRARequest as VllmLoRARequest
 
-        key = params.lora.key
-        number = self.adapter_ids.setdefault(key, len(self.adapter_ids) + 1)
-        self.adapter_seeds[params.lora.name] = adapter_seed(hash_seed(self.config.model), key)
-        return LoRARequest(params.lora.name, number, params.lora.path)
+        number = self.adapter_ids.setdefault(lora.key, len(self.adapter_ids) + 1)
+        self.adapter_seeds[lora.name] = adapter_seed(hash_seed(self.config.model), lora.key)
+        return VllmLoRARequest(lora.name, number, lora.path)
 
-    def load_adapters(self, adapters) -> None:
+    def load_adapters(self, adapters: list[LoRARequest]) -> None:
         """engine.lora.load eager: vLLM reads each adapter now."""
         for lora in adapters:
-            from hybridlb.params import SamplingParams as Params
-
             try:
-                self.core.add_lora(self._lora(Params(lora=lora)))
+                self.core.add_lora(self._lora(lora))
             except Exception as exc:
                 log.warning("engine %d: LoRA adapter %r not loaded: %s", self.rank, lora.name, exc)
 
@@ -294,7 +292,7 @@ class VllmCore:
 class _Live:
     """What this backend keeps of a request vLLM runs."""
 
-    __slots__ = ("answered", "arrived", "prompt", "prompt_rows")
+    __slots__ = ("answered", "arrived", "prompt_rows")
 
-    def __init__(self, prompt: list[int], arrived: float):
-        self.prompt, self.arrived, self.answered, self.prompt_rows = prompt, arrived, False, []
+    def __init__(self, arrived: float):
+        self.arrived, self.answered, self.prompt_rows = arrived, False, []

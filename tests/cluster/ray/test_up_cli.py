@@ -6,17 +6,15 @@ import contextlib
 import re
 import signal
 import subprocess
-import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
 import httpx
 import yaml
 
-from hybridlb.lifecycle import descendants, die_with_parent, wait_gone
+from hybridlb.lifecycle import descendants, wait_gone
 from hybridlb.testing.ports import free_port
+from hybridlb.testing.servers import up_until_ready
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -27,16 +25,8 @@ def test_up_local_config_serves_and_stops_on_ctrl_c(tmp_path):
     config["ray"]["name"] = "readme"
     path = tmp_path / "local.yaml"
     path.write_text(yaml.safe_dump(config))
-    process = subprocess.Popen([sys.executable, "-m", "hybridlb", "up", str(path)], stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, preexec_fn=die_with_parent)
-    lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True).start()
+    process, lines = up_until_ready(path, 240)
     try:
-        deadline = time.monotonic() + 240
-        while not any("is ready" in line for line in lines):
-            assert process.poll() is None, "".join(lines)
-            assert time.monotonic() < deadline, "".join(lines)
-            time.sleep(0.5)
         output = "".join(lines)
         assert re.search(rf"http://127\.0\.0\.1:{port}/v1", output), output
         assert re.search(r"Ray dashboard: http://127\.0\.0\.1:\d+", output), output  # where the actors show
