@@ -1,10 +1,10 @@
 """GGUF checkpoints without torch: architecture, tokenizer and sampling defaults read from
 one llama.cpp file's metadata (the weights: ``hybridlb.model.gguf_tensors``).
 
-The ``gguf`` package parses the file and dequantizes every tensor type it knows (F32,
-F16, BF16, Q8_0, Q4_0, Q4_1, the K-quants, ...) to float32; nothing here decodes the
-format by hand. What this module adds is the mapping to what a Hugging Face checkpoint
-says:
+The header (metadata, tensor table) is read by ``gguf_header`` in one pass (the ``gguf``
+package's reader takes seconds over a large vocabulary); the ``gguf`` package dequantizes
+every tensor type it knows (F32, F16, BF16, Q8_0, Q4_0, Q4_1, the K-quants, ...) to float32.
+What this module adds is the mapping to what a Hugging Face checkpoint says:
 
 * metadata keys (``llama.block_count``, ...) → a ``config.json``-shaped dict;
 * ``tokenizer.ggml.*`` → a ``tokenizers`` byte-level BPE, the chat template and eos ids.
@@ -13,12 +13,14 @@ says:
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 
+from hybridlb.checkpoint.gguf_header import Unsupported, read_header
 from hybridlb.checkpoint.path import CheckpointError
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -52,9 +54,18 @@ class Parsed:
 
 @lru_cache(maxsize=2)
 def parsed(path: Path) -> Parsed:
-    """The file's metadata and tensor table, parsed once per process by the gguf package. The parser's
-    own objects (~150 MB and ~2 s for a 49k-token vocabulary: numpy views of every token and merge) are
-    dropped at once, keeping the values; tensor data is mapped from the file when read (``tensor_data``)."""
+    """The file's metadata and tensor table, parsed once per process (``gguf_header``; a file it does not
+    take, by the gguf package's reader). Tensor data is mapped from the file when read (``tensor_data``)."""
+    try:
+        fields, table = read_header(path)
+    except (Unsupported, struct.error, UnicodeDecodeError, ValueError, OSError):
+        return _parsed_by_gguf(path)
+    return Parsed(fields, {name: _Tensor(kind, dtype, shape, offset) for name, kind, dtype, shape, offset in table})
+
+
+def _parsed_by_gguf(path: Path) -> Parsed:
+    """The gguf package's reader: slower (a numpy view of every token and merge, dropped at once), but it
+    reads what ``gguf_header`` does not, or says what is wrong with the file."""
     import gguf
 
     try:
