@@ -161,3 +161,15 @@ def up_until_ready(config_path: Path, timeout_s: float) -> tuple[subprocess.Pope
             raise AssertionError("hybridlb up did not become ready:\n" + "".join(lines))
         time.sleep(0.5)
     return process, lines
+
+
+def interrupt(process: subprocess.Popen, lines: list[str], timeout_s: float = 60) -> None:
+    """Ctrl-C a foreground ``hybridlb up`` (``up_until_ready``) as a terminal would; it must exit 0 in
+    ``timeout_s`` (else it is killed and this fails), its output in the failure."""
+    process.send_signal(signal.SIGINT)
+    try:
+        process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise
+    assert process.returncode == 0, "".join(lines)

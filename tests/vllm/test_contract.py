@@ -87,6 +87,13 @@ def test_an_unknown_vllm_argument_is_named_with_the_nearest_one(smollm2_hf_dir):
         vllm_backend.engine_args(config, smollm2_hf_dir)
 
 
+def test_a_users_thread_binding_outside_the_processs_cores_stops_the_rank_before_vllm_starts(smollm2_hf_dir,
+                                                                                               monkeypatch):
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "4096-4097")
+    with pytest.raises(ValueError, match=r"names cores 4096-4097 .*or unset it"):
+        vllm_backend.VllmCore(EngineConfig(model=smollm2_hf_dir, backend="vllm", enforce_eager=True))
+
+
 def test_another_vllm_release_is_refused_with_the_install_command(monkeypatch):
     import vllm
 

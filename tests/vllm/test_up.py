@@ -4,8 +4,6 @@ ranks take traffic."""
 from __future__ import annotations
 
 import re
-import signal
-import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -13,7 +11,7 @@ import pytest
 import yaml
 
 from hybridlb.testing.ports import free_port
-from hybridlb.testing.servers import up_until_ready
+from hybridlb.testing.servers import interrupt, up_until_ready
 
 pytestmark = pytest.mark.slow
 
@@ -46,10 +44,4 @@ def test_up_places_two_vllm_ranks_that_both_serve(smollm2_hf_dir, tmp_path):
         assert set(served) == {0, 1} and sum(served.values()) == 8, served
         assert texts == [ask(i) for i in range(8)]  # greedy: the same text whichever rank served it
     finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            raise
-    assert process.returncode == 0, "".join(lines)
+        interrupt(process, lines)

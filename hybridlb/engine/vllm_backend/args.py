@@ -20,6 +20,40 @@ def thread_binding(rank: int, threads: int) -> str:
     return ",".join(str(core) for core in mine)
 
 
+def checked_binding(value: str) -> str:
+    """A user's own VLLM_CPU_OMP_THREADS_BIND, refused before vLLM starts when it names a core this process
+    may not use (vLLM would fail deep in its worker, or bind threads to cores another rank runs on).
+    ``auto`` and ``nobind`` are vLLM's to interpret; a list is cores and ranges, ``|`` between TP ranks."""
+    if value.strip() in ("auto", "nobind"):
+        return value
+    allowed = os.sched_getaffinity(0)
+    named = set()
+    try:
+        for part in value.replace("|", ",").split(","):
+            first, _, last = part.strip().partition("-")
+            named.update(range(int(first), int(last or first) + 1))
+    except ValueError:
+        named = set()
+    outside = sorted(named - allowed)
+    if not named or outside:
+        why = f"names cores {_ranges(outside)} " if outside else "is not a list of cores "
+        raise ValueError(
+            f"VLLM_CPU_OMP_THREADS_BIND={value!r} {why}(this process may use cores {_ranges(sorted(allowed))}); "
+            "write cores and ranges such as 0-3,8 ('|' between tensor-parallel ranks), 'auto', 'nobind', or unset "
+            "it: then hybridlb binds each rank of the node to cores of its own")
+    return value
+
+
+def _ranges(cores: list[int]) -> str:
+    spans: list[list[int]] = []
+    for core in cores:
+        if spans and core == spans[-1][1] + 1:
+            spans[-1][1] = core
+        else:
+            spans.append([core, core])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+
+
 def engine_args(config: EngineConfig, path: str):
     """vLLM's EngineArgs for ``config`` (one rank: vLLM sees no data parallelism)."""
     from vllm.engine.arg_utils import EngineArgs

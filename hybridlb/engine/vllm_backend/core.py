@@ -17,7 +17,7 @@ from hybridlb.engine.block_manager import Removed
 from hybridlb.engine.dp_context import DPContext
 from hybridlb.engine.errors import SickEngine
 from hybridlb.engine.step_clock import StepClock
-from hybridlb.engine.vllm_backend.args import engine_args, thread_binding
+from hybridlb.engine.vllm_backend.args import checked_binding, engine_args, thread_binding
 from hybridlb.engine.vllm_backend.convert import (
     FINISH,
     logprobs,
@@ -51,7 +51,9 @@ class VllmCore:
         import torch
 
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the core runs in this process, stepped by the shell
-        if config.device == "cpu" and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        if config.device == "cpu" and "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+            checked_binding(os.environ["VLLM_CPU_OMP_THREADS_BIND"])  # the user's: every rank of the node gets it
+        elif config.device == "cpu":
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = thread_binding(self.rank, torch.get_num_threads())
         from vllm.v1.engine.core import EngineCore as VllmEngineCore
         from vllm.v1.executor import Executor

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import re
-import signal
-import subprocess
 import tempfile
 from pathlib import Path
 
@@ -14,7 +12,7 @@ import yaml
 
 from hybridlb.lifecycle import descendants, wait_gone
 from hybridlb.testing.ports import free_port
-from hybridlb.testing.servers import up_until_ready
+from hybridlb.testing.servers import interrupt, up_until_ready
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -42,13 +40,7 @@ def test_up_local_config_serves_and_stops_on_ctrl_c(tmp_path):
         assert Path(tempfile.gettempdir(), "hybridlb-ray-readme").stat().st_mode & 0o777 == 0o700
     finally:
         ray_processes = descendants(process.pid)
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            raise
-    assert process.returncode == 0, "".join(lines)
+        interrupt(process, lines)
     assert ray_processes and not wait_gone(ray_processes, 0), "up returned before its Ray cluster was gone"
     assert not Path(tempfile.gettempdir(), "hybridlb-ray-readme").exists()
     with contextlib.suppress(httpx.HTTPError):
