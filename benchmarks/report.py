@@ -32,13 +32,13 @@ from report_api import api_overhead, chat_ttft
 from report_bandwidth import quantized, speculative
 from report_lora import lora
 from report_machine import machine_peak, step_profile
-from report_routing import prefix_routing
+from report_routing import prefix_routing, vllm_ranks
 from report_sections import Page, generic
 from report_vs_vllm import step_budget, vs_vllm
 
 SECTIONS: dict[str, Callable[[Page, dict], str]] = {
     "engine_throughput": sections.engine_throughput, "api_overhead": api_overhead, "vs_vllm": vs_vllm,
-    "vs_vllm_dp2": vs_vllm, "vllm_backend": vs_vllm,
+    "vs_vllm_dp2": vs_vllm, "vllm_backend": vs_vllm, "vllm_ranks": vllm_ranks,
     "dp_overhead": sections.dp_overhead, "moe_waves": sections.moe_waves, "up_time": sections.up_time,
     "load": sections.load, "soak": sections.soak, "control_plane": sections.control_plane,
     "prefix_routing": prefix_routing, "chat_ttft": chat_ttft, "quantized": quantized,
@@ -64,6 +64,11 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {  # name: title, command, what it
                      "`--engine-backend vllm --data-parallel-size 2` against `vllm serve --data-parallel-hybrid-lb` of "
                      "the same vLLM release (what hybridlb's layer costs on vLLM's engine), with hybridlb's own engine "
                      "on the same workloads; SmolLM2, each server alone (float32 on a CPU without native bfloat16)."),
+    "vllm_ranks": ("vLLM's engine: balance over ranks and multi-turn prefix hits",
+                   ".venv-vllm/bin/python benchmarks/vllm_ranks.py",
+                   "`--engine-backend vllm --data-parallel-size 2` (cache_aware) against `vllm serve "
+                   "--data-parallel-hybrid-lb`, and hybridlb's own engine: per-rank requests and generated tokens "
+                   "over a mixed-length workload, and the prefix hit rate of multi-turn chats (vllm#52463)."),
     "step_budget": ("The step's token budget: first tokens against output pace",
                     "python benchmarks/step_budget.py --rounds 2",
                     "hybridlb alone, SmolLM2 bfloat16, one server per `--max-num-batched-tokens`, rounds running the "

@@ -45,3 +45,27 @@ def headline(setting: str, table: dict) -> str:
     if "system" in aware and "system" in vllm:
         text += f"; system {aware['system']['output_tok_s'] / vllm['system']['output_tok_s']:.2f}x vLLM"
     return text
+
+
+def vllm_ranks(page, data: dict) -> str:
+    """benchmarks/vllm_ranks.py: balance over vLLM ranks and multi-turn prefix hits, per server."""
+    table, meta = data["results"], data["meta"]
+    page.text(f"Medians of {meta['rounds']} alternating rounds, {meta['dtype']}, {meta['concurrency']} in flight; "
+              "max/min: the largest rank's count over the smallest's (1.00 is even).")
+    page.table(["server", "mixed tok/s", "requests max/min", "tokens max/min", "multiturn tok/s",
+                "multiturn TTFT P50 ms", "prefix hits", "failed"],
+               [[name, r["mixed"]["output_tok_s"], round(r["mixed"]["requests_max_min"], 2),
+                 round(r["mixed"]["tokens_max_min"], 2), r["multiturn"]["output_tok_s"],
+                 r["multiturn"]["p50_ttft_ms"], f"{r['multiturn']['hit_rate']:.0%}",
+                 r["mixed"]["failed"] + r["multiturn"]["failed"]] for name, r in table.items()])
+    page.text("Each round (mixed: requests / tokens per rank; multiturn: hit rate):")
+    page.table(["server", "mixed", "multiturn"],
+               [[name, "; ".join(f"{list(r['requests_per_rank'].values())} / "
+                                 f"{[round(v) for v in r['tokens_per_rank'].values()]}" for r in runs["mixed"]),
+                 ", ".join(f"{r['hit_rate']:.0%}" for r in runs["multiturn"])] for name, runs in data["raw"].items()])
+    ours, theirs = table.get("hybridlb", {}), table.get("vllm", {})
+    if not ours or not theirs:
+        return ""
+    hits = ours["multiturn"]["hit_rate"] / theirs["multiturn"]["hit_rate"] if theirs["multiturn"]["hit_rate"] else 0
+    return (f"vLLM engine: tokens max/min {ours['mixed']['tokens_max_min']:.2f} vs vLLM DP's "
+            f"{theirs['mixed']['tokens_max_min']:.2f}; multi-turn prefix hits {hits:.2f}x vLLM's")
