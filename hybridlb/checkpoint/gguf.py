@@ -13,7 +13,6 @@ What this module adds is the mapping to what a Hugging Face checkpoint says:
 from __future__ import annotations
 
 import math
-import struct
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -58,7 +57,7 @@ def parsed(path: Path) -> Parsed:
     take, by the gguf package's reader). Tensor data is mapped from the file when read (``tensor_data``)."""
     try:
         fields, table = read_header(path)
-    except (Unsupported, struct.error, UnicodeDecodeError, ValueError, OSError):
+    except Unsupported:
         return _parsed_by_gguf(path)
     return Parsed(fields, {name: _Tensor(kind, dtype, shape, offset) for name, kind, dtype, shape, offset in table})
 

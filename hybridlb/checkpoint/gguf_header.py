@@ -67,7 +67,15 @@ class _Cursor:
 def read_header(path: Path) -> tuple[dict[str, object], list[tuple[str, object, np.dtype, tuple[int, ...], int]]]:
     """(fields, tensors): every metadata key's value as ``ReaderField.contents()`` gives it (the
     ``GGUF.*`` counts included), and per tensor (name, gguf type, numpy dtype, array shape, data offset),
-    the shape and dtype being those of the array the gguf package reads. Raises Unsupported."""
+    the shape and dtype being those of the array the gguf package reads. Raises Unsupported for anything
+    it cannot read (a truncated or empty file, bad UTF-8, an unknown tensor type, ...)."""
+    try:
+        return _read(path)
+    except (struct.error, UnicodeDecodeError, ValueError, OSError) as exc:
+        raise Unsupported(f"{type(exc).__name__}: {exc}") from None
+
+
+def _read(path: Path):
     from gguf import GGMLQuantizationType
     from gguf.quants import quant_shape_to_byte_shape
 
