@@ -57,7 +57,7 @@ HYBRIDLB = {
     "round_robin": ("--lb-policy", "round_robin"),
     "no_caching": ("--lb-policy", "least_loaded", "--no-enable-prefix-caching"),
 }
-COMMON = ("--dtype", "bfloat16", "--max-model-len", "2048", "--data-parallel-size", "2")
+COMMON = ("--max-model-len", "2048", "--data-parallel-size", "2")
 SYSTEM_PROMPTS, SYSTEM_LEN, USER_LEN, SYSTEM_REQUESTS = 8, 1000, 32, 96
 CHATS, TURNS, OPENING_LEN, TURN_USER_LEN, TURN_ANSWER_LEN = 32, 4, 256, 96, 64
 OUTPUT_LEN, CONCURRENCY = 64, 16
@@ -79,6 +79,23 @@ def multiturn_workload(rng: random.Random, vocab: int) -> list[list[list[int]]]:
             turns.append(list(history))
         chats.append(turns)
     return chats
+
+
+def ideal_hit_rate(prompts: list[list[int]], block: int = 16) -> float:
+    """The hit rate of perfect routing to a cache that never evicts: every full block of every
+    earlier prompt is reused (all but a prompt's last token, as engines compute at least one).
+    ``prompts`` in the order sent (a chat's turns in order)."""
+    seen: set[int] = set()
+    hits = total = 0
+    for prompt in prompts:
+        chain, matched, usable = 0, 0, (len(prompt) - 1) // block
+        for index in range(len(prompt) // block):
+            chain = hash((chain, tuple(prompt[index * block:(index + 1) * block])))
+            if matched == index < usable and chain in seen:
+                matched += 1
+            seen.add(chain)
+        hits, total = hits + matched * block, total + len(prompt)
+    return hits / total
 
 
 def run(server: Server, workload: str, prompts) -> dict:
@@ -137,9 +154,11 @@ def measure(server: Server, vocab: int, round_seed: int, workloads=WORKLOADS) ->
         wait_quiet([server.process.pid])
         before = cache_stats(server)
         row = rows[workload] = delta(run(server, workload, prompts), before)
+        row["ideal_hit_rate"] = ideal_hit_rate(prompts if workload == "system" else [p for c in prompts for p in c])
         print(f"  {server.name:<22} {workload:<10} {row['output_tok_s']:>6.0f} tok/s  "
               f"TTFT P50 {row['p50_ttft_ms']:>6.0f}"
               f" P99 {row['p99_ttft_ms']:>6.0f} ms  TPOT {row['mean_tpot_ms']:>5.1f} ms  hits {row['hit_rate']:.0%}"
+              f" (ideal {row['ideal_hit_rate']:.0%})"
               f"  busy {row.get('busy_s', '-')}", flush=True)
     return rows
 
@@ -149,6 +168,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--models-dir", type=Path, default=Path("models"))
     parser.add_argument("--no-vllm", action="store_true", help="hybridlb's configurations only")
+    parser.add_argument("--dtype", default="bfloat16",
+                        help="every server's; float32 where the CPU has no bfloat16 instructions (AVX2 only)")
     parser.add_argument("--kv-cache-gib", type=float, default=1.0, help="each hybridlb engine's KV cache")
     parser.add_argument("--configs", default=",".join(HYBRIDLB), help="hybridlb configurations to run")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="workloads to run")
@@ -162,16 +183,17 @@ def main() -> None:
     workloads = args.workloads.split(",")
     if unknown := set(workloads) - set(WORKLOADS):
         parser.error(f"unknown workloads {sorted(unknown)}; choose from {', '.join(WORKLOADS)}")
+    common = (*COMMON, "--dtype", args.dtype)
     raw: dict[str, dict[str, list[dict]]] = {name: {workload: [] for workload in workloads} for name in names}
     for round_index in range(args.rounds):
         print(f"round {round_index + 1}", flush=True)
         for name in names if round_index % 2 == 0 else names[::-1]:
             # Each server alone on the machine: started for its turn, stopped after it.
             if name == "vllm":
-                server = Server.vllm("vllm", vllm, model, *COMMON, "--data-parallel-size-local", "2",
+                server = Server.vllm("vllm", vllm, model, *common, "--data-parallel-size-local", "2",
                                      "--data-parallel-hybrid-lb")
             else:
-                server = Server.hybridlb(name, model, *COMMON, "--kv-cache-gib", str(args.kv_cache_gib),
+                server = Server.hybridlb(name, model, *common, "--kv-cache-gib", str(args.kv_cache_gib),
                                          *HYBRIDLB[name.split(":")[1]])
             try:
                 print(f"{name} ready in {server.wait_ready():.0f} s", flush=True)
@@ -182,8 +204,8 @@ def main() -> None:
                 server.stop()
     table = summarize_rounds(raw)
     print_table(table)
-    setting = f"KV cache {args.kv_cache_gib:g} GiB per engine"
-    meta = stamp(rounds=args.rounds, concurrency=CONCURRENCY, kv_cache_gib=args.kv_cache_gib)
+    setting = f"KV cache {args.kv_cache_gib:g} GiB per engine" + ("" if args.dtype == "bfloat16" else f", {args.dtype}")
+    meta = stamp(rounds=args.rounds, concurrency=CONCURRENCY, kv_cache_gib=args.kv_cache_gib, dtype=args.dtype)
     previous = previous_results(args.out)  # other settings' rows stay, each with the stamp that made it
     report = {"meta": meta,  # the latest run's; each setting keeps its own
               "settings": {**previous.get("settings", {}), setting: {"meta": meta, "results": table, "raw": raw}}}
@@ -200,21 +222,22 @@ def summarize_rounds(raw: dict) -> dict:
             if rows:
                 table[name][workload] = {key: statistics.median(r[key] for r in rows)
                                          for key in ("output_tok_s", "p50_ttft_ms", "p99_ttft_ms", "mean_tpot_ms",
-                                                     "hit_rate", "failed")}
+                                                     "hit_rate", "ideal_hit_rate", "failed")}
     return table
 
 
 def print_table(table: dict) -> None:
     base = table.get("hybridlb:least_loaded", {})
     print(f"\n{'server':<24}{'workload':<11}{'tok/s':>8}{'vs LL':>7}{'TTFT P50':>10}{'vs LL':>7}{'P99':>8}"
-          f"{'TPOT':>7}{'hits':>6}")
+          f"{'TPOT':>7}{'hits':>6}{'ideal':>6}")
     for name, workloads in table.items():
         for workload, row in workloads.items():
             ref = base.get(workload)
             speed = f"{row['output_tok_s'] / ref['output_tok_s']:.2f}x" if ref else "-"
             ttft = f"{row['p50_ttft_ms'] / ref['p50_ttft_ms']:.2f}x" if ref else "-"
             print(f"{name:<24}{workload:<11}{row['output_tok_s']:>8.0f}{speed:>7}{row['p50_ttft_ms']:>10.0f}{ttft:>7}"
-                  f"{row['p99_ttft_ms']:>8.0f}{row['mean_tpot_ms']:>7.1f}{row['hit_rate']:>6.0%}")
+                  f"{row['p99_ttft_ms']:>8.0f}{row['mean_tpot_ms']:>7.1f}{row['hit_rate']:>6.0%}"
+                  f"{row['ideal_hit_rate']:>6.0%}")
 
 
 if __name__ == "__main__":

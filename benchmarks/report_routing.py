@@ -16,15 +16,19 @@ def prefix_routing(page, data: dict) -> str:
         page.text(f"**{setting}** (`{meta['command']}`, commit {meta['commit']}; medians of {meta['rounds']} "
                   "alternating rounds; ratios against `least_loaded`)")
         page.table(["server", "workload", "output tok/s", "vs least_loaded", "TTFT P50 ms", "vs least_loaded",
-                    "TTFT P99 ms", "mean TPOT ms", "prefix hits", "failed"],
+                    "TTFT P99 ms", "mean TPOT ms", "prefix hits", "ideal hits", "failed"],
                    [[name, w, r["output_tok_s"], vs(r, base.get(w), "output_tok_s"), r["p50_ttft_ms"],
                      vs(r, base.get(w), "p50_ttft_ms"), r["p99_ttft_ms"], r["mean_tpot_ms"], f"{r['hit_rate']:.0%}",
-                     r["failed"]] for name, workloads in table.items() for w, r in workloads.items()])
+                     f"{r['ideal_hit_rate']:.0%}" if "ideal_hit_rate" in r else "-", r["failed"]]
+                    for name, workloads in table.items() for w, r in workloads.items()])
+        page.text("Ideal hits: perfect routing to caches that never evict (every earlier prompt's full 16-token "
+                  "blocks reused), the most any server can get on the workload.")
         if run.get("raw"):
-            page.text("Output tok/s in each round (the spread the medians above hide):")
-            page.table(["server", "workload", "per round", "min", "max"],
+            page.text("Output tok/s and prefix hits in each round (the spread the medians above hide):")
+            page.table(["server", "workload", "tok/s per round", "min", "max", "hits per round"],
                        [[name, w, ", ".join(f"{r['output_tok_s']:.0f}" for r in rows),
-                         min(r["output_tok_s"] for r in rows), max(r["output_tok_s"] for r in rows)]
+                         min(r["output_tok_s"] for r in rows), max(r["output_tok_s"] for r in rows),
+                         ", ".join(f"{r['hit_rate']:.0%}" for r in rows)]
                         for name, workloads in run["raw"].items() for w, rows in workloads.items() if rows])
     if older:
         page.text("Not shown: settings measured by an older `prefix_routing.py` (rerun with their `--kv-cache-gib` "

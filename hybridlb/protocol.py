@@ -248,6 +248,10 @@ class EngineOutputs(msgspec.Struct, tag="outputs"):
     # end gets them, so its routing index stops counting on them.
     evicted: list[int] = msgspec.field(default_factory=list)
     seq: int = 0  # this message's number for its front end, from 1 after each EngineReady
+    # Hashes of blocks that entered the cache since the last message, prompts' and generated
+    # ones': every front end records them, so a chat's next turn finds the rank holding its
+    # history whichever of the node's API servers sent the last one.
+    stored: list[int] = msgspec.field(default_factory=list)
 
 
 class LoadSnapshot(msgspec.Struct, tag="loads"):

@@ -192,8 +192,8 @@ class LoadBalancingConfig(_Section):
     policy: Literal["cache_aware", "least_loaded", "round_robin"] = Field(
         "cache_aware",
         description="cache_aware: the rank that serves the prompt cheapest, in prompt tokens (its queued prefill, "
-        "the prompt's uncached tokens, 128 per request there weighted by the share of this request's max_tokens "
-        "it still has to go; never a rank 8 requests busier than the least "
+        "the prompt's uncached tokens times 1 + the requests there, 128 per request there weighted by the share "
+        "of this request's max_tokens it still has to go; never a rank 8 requests busier than the least "
         "loaded); least_loaded: lowest 4*waiting + running (+ own requests the stats do not show yet), ties "
         "rotate; round_robin: in turn.",
         json_schema_extra=flag("--lb-policy"),

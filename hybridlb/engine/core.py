@@ -337,11 +337,10 @@ class EngineCore:
         return self._rss[1]
 
     # -- what the process shell publishes --------------------------------------------
-    def enable_cache_events(self, stored: bool) -> None:
-        """Record evicted blocks (front ends route by them) and, with ``stored``, blocks entering the
-        cache (for a KV-event publisher); ``take_cache_events`` hands them out."""
-        self.blocks.record_events = self.blocks.caching
-        self.blocks.record_stored = stored and self.blocks.caching
+    def enable_cache_events(self) -> None:
+        """Record blocks entering and leaving the cache (front ends route by them, a KV-event
+        publisher sends them on); ``take_cache_events`` hands them out."""
+        self.blocks.record_events = self.blocks.record_stored = self.blocks.caching
 
     def take_cache_events(self) -> list[Stored | Removed]:
         return self.blocks.take_events()

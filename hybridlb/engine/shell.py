@@ -106,7 +106,7 @@ class EngineShell:
         if events is not None and events.enabled and core.prefix_caching:
             self.kv_events = KVEventPublisher(events, self.context, dp.rank, core.block_size,
                                               core.config.device.upper())
-        core.enable_cache_events(stored=self.kv_events is not None)
+        core.enable_cache_events()
 
     def stop(self) -> None:
         """Signal-safe: ask the busy loop to exit.
@@ -256,8 +256,8 @@ class EngineShell:
         now = time.monotonic()
         beat = now - self.last_client_beat >= STATS_HEARTBEAT_S
         stats = self._stats_if_changed(fresh=beat)
-        evicted = self._cache_events()
-        if stats or evicted or beat:  # news for everyone; a heartbeat lets a front end see a lost last message
+        stored, evicted = self._cache_events()
+        if stats or evicted or stored or beat:  # news for all; a heartbeat lets a front end see a lost last message
             targets = self.clients | route.by_client.keys()
             self.last_client_beat = now
         else:
@@ -266,17 +266,21 @@ class EngineShell:
         for identity in targets:
             seq = self.sent[identity] = self.sent.get(identity, 0) + 1
             outputs = route.by_client.get(identity, [])
-            self._send(identity, EngineOutputs(self.core.rank, outputs, carried, evicted, seq))
+            self._send(identity, EngineOutputs(self.core.rank, outputs, carried, evicted, seq, stored))
         if stats or now - self.last_beat >= STATS_HEARTBEAT_S:
             self._to_coordinator(self.last_stats)
             self.last_beat = now
 
-    def _cache_events(self) -> list[int]:
-        """Publish this step's KV-cache events (if configured); return the evicted hashes."""
+    def _cache_events(self) -> tuple[list[int], list[int]]:
+        """Publish this step's KV-cache events (if configured); return the stored and the
+        evicted hashes, for every front end's prefix index."""
         events = self.core.take_cache_events()
         if self.kv_events is not None and events:
             self.kv_events.publish(events)
-        return [event.block_hash for event in events if isinstance(event, Removed)]
+        held: dict[int, bool] = {}  # the last event of each block decides (stored, then evicted: gone)
+        for event in events:
+            held[event.block_hash] = not isinstance(event, Removed)
+        return [h for h, kept in held.items() if kept], [h for h, kept in held.items() if not kept]
 
     def _stats_if_changed(self, fresh: bool = False) -> EngineStats | None:
         """New stats when the load changed; with ``fresh`` (a heartbeat) also when only what

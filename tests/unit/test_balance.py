@@ -49,19 +49,33 @@ def test_cache_aware_goes_where_the_prefix_is_cached():
 
 
 def test_cache_aware_spills_when_the_load_outweighs_the_prefill_saved():
+    # 1,000 of 1,032 tokens cached on rank 0, rank 1 idle: rank 0 costs 32 x (1 + k) + 128 k for k
+    # requests there, rank 1 the whole prompt (1,032), which stalls nobody.
     cached = (1000, 0.0)
-    assert choose_cache_aware(_ranks((7, 0, *cached), (0, 0, 0, 0.0)), 1032, start=0) == 0  # 7 x 128 < 1000
-    assert choose_cache_aware(_ranks((8, 0, *cached), (0, 0, 0, 0.0)), 1032, start=0) == 1  # 8 x 128 > 1000
+    assert choose_cache_aware(_ranks((6, 0, *cached), (0, 0, 0, 0.0)), 1032, start=0) == 0  # 992 < 1032
+    assert choose_cache_aware(_ranks((7, 0, *cached), (0, 0, 0, 0.0)), 1032, start=0) == 1  # 1152 > 1032
     # A full cache would lose a prefix to the replica: the cached rank keeps it a while longer.
     full = (1000, 1.0)
     assert choose_cache_aware(_ranks((8, 0, *full), (0, 0, 0, 1.0)), 1032, start=0) == 0
 
 
-def test_cache_aware_does_not_queue_a_prompt_behind_a_long_prefill():
+def test_a_miss_costs_more_on_a_busier_rank():
+    # A chat's history (576 of 736 tokens) is on rank 0, which has six requests more than rank 1.
+    # Recomputing it on rank 1 would stall each of rank 1's eight requests for the whole prompt.
+    turn = _ranks((14, 0, 576, 0.3, 14.0), (8, 0, 0, 0.3, 8.0))
+    assert [choose_cache_aware(turn, 736, s) for s in range(2)] == [0, 0]
+    # With rank 1 idle, nobody waits for the recompute there, and this turn waits for nobody.
+    idle = _ranks((6, 0, 576, 0.3, 6.0), (0, 0, 0, 0.3, 0.0))
+    assert [choose_cache_aware(idle, 736, s) for s in range(2)] == [1, 1]
+
+
+def test_cache_aware_does_not_queue_a_prompt_behind_a_long_prefill_while_a_rank_idles():
     # Rank 0 caches the prefix but still prefills 2,000 tokens for others: the first token
-    # comes sooner from rank 1, which computes the whole prompt at once.
-    assert choose_cache_aware(_ranks((2, 2000, 1000, 0.2), (2, 0, 0, 0.2)), 1032, start=0) == 1
-    assert choose_cache_aware(_ranks((2, 300, 1000, 0.2), (2, 0, 0, 0.2)), 1032, start=0) == 0
+    # comes sooner from idle rank 1, which computes the whole prompt at once.
+    assert choose_cache_aware(_ranks((2, 2000, 1000, 0.2), (0, 0, 0, 0.2)), 1032, start=0) == 1
+    assert choose_cache_aware(_ranks((2, 300, 1000, 0.2), (0, 0, 0, 0.2)), 1032, start=0) == 0
+    # Had rank 1 requests to decode, each would wait for those 1,032 tokens: the queue is cheaper.
+    assert choose_cache_aware(_ranks((2, 2000, 1000, 0.2), (2, 0, 0, 0.2)), 1032, start=0) == 0
 
 
 def test_cache_aware_places_a_new_prefix_on_the_emptier_cache():

@@ -146,8 +146,9 @@ def test_the_kv_events_the_backend_follows():
     assert "self.kv_event_publisher.publish(" in inspect.getsource(Scheduler)  # where the backend's feed sits
 
 
-def test_blocks_vllm_evicts_come_out_under_hybridlbs_hashes(smollm2_hf_dir):
-    """The API server's prefix index hears of evictions by the hashes it routes by."""
+def test_blocks_vllm_caches_and_evicts_come_out_under_hybridlbs_hashes(smollm2_hf_dir):
+    """The API servers' prefix indexes hear of cached and evicted blocks by the hashes they route by."""
+    from hybridlb.engine.block_manager import Removed
     from hybridlb.params import SamplingParams
     from hybridlb.prefix_hash import block_hashes, hash_seed
 
@@ -159,7 +160,10 @@ def test_blocks_vllm_evicts_come_out_under_hybridlbs_hashes(smollm2_hf_dir):
         assert core.add_request(str(i), prompt, SamplingParams(max_tokens=2, temperature=0)) is None
         while core.has_work:
             core.step()
-    removed = {event.block_hash for event in core.take_cache_events()}
+    events = core.take_cache_events()
+    removed = {event.block_hash for event in events if isinstance(event, Removed)}
+    stored = {event.block_hash for event in events if not isinstance(event, Removed)}
     ours = {h for prompt in prompts for h in block_hashes(prompt, size, seed)}
+    assert stored == ours  # every prompt's full blocks (the 2 tokens generated fill none)
     assert removed and removed <= ours, (len(removed), core.num_kv_blocks)
     assert not core.take_cache_events()  # handed out once

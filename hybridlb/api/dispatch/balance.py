@@ -50,9 +50,12 @@ class RankView(NamedTuple):
 #
 #   prefill_tokens                  the prompts queued there before this one: its first token
 #                                   waits for them
-# + uncached * (1 + pressure)       this prompt's tokens the rank would compute; a full cache
-#                                   also loses what the new blocks evict (a prefix other
-#                                   requests may need), so a replica costs up to twice
+# + uncached * (1 + requests + pressure)
+#                                   this prompt's tokens the rank would compute: its first token
+#                                   waits for them, and so does the next token of each request
+#                                   there (a recompute on a busy rank stalls all of them); a
+#                                   full cache also loses what the new blocks evict (a prefix
+#                                   other requests may need)
 # + TOKENS_PER_REQUEST * decode_load  each request decoding there slows the steps of this one
 #                                   it is still there for: a request with 12 tokens to go
 #                                   weighs a tenth on a prompt that may generate 120, a whole
@@ -61,13 +64,17 @@ class RankView(NamedTuple):
 #                                   one rank (same counts, ten times the steps) while the
 #                                   other idles after a few steps.
 #
-# A 1,000-token prefix cached on one rank outweighs ~8 requests of load there (~16 once the
-# other rank's cache is full), unless that rank still has as much prefill queued: then the
-# first token comes sooner from the other rank. A prompt cached nowhere goes to the least
-# busy rank, the emptier cache breaking near-ties. Cached prefixes under MIN_CACHED_TOKENS
-# do not count (a chat template's first blocks save less prefill than piling every request
-# onto one rank costs), and no rank more than MAX_LOAD_GAP requests above the least loaded
-# is picked, so one hot prefix spreads out.
+# A chat's next turn stays on the rank holding its history while the ranks' loads are close:
+# moving it would recompute the history and stall every request of the other rank meanwhile
+# (a 1,000-token prefix outweighs 6 requests more on its rank when the other idles, and all
+# MAX_LOAD_GAP when the other has 2). Measured on multi-turn chats (benchmarks/prefix_routing.py,
+# 16 in flight): pricing a recompute by this prompt's first token alone (1 + pressure) moved
+# 15-20 of 96 turns off the rank holding their history, mostly to dodge a few hundred tokens of
+# queued prefill, and recomputed it there (hits 55% of an ideal 63%); priced as here, 1 of 96
+# (62%). A prompt cached nowhere goes to the least busy rank, the emptier cache breaking
+# near-ties. Cached prefixes under MIN_CACHED_TOKENS do not count (a chat template's first
+# blocks save less prefill than piling every request onto one rank costs), and no rank more
+# than MAX_LOAD_GAP requests above the least loaded is picked, so one hot prefix spreads out.
 TOKENS_PER_REQUEST = 128
 MIN_CACHED_TOKENS = 256
 MAX_LOAD_GAP = 8
@@ -78,7 +85,7 @@ def serve_cost(rank: RankView, prompt_tokens: int) -> float:
     cached = rank.cached_tokens if rank.cached_tokens >= MIN_CACHED_TOKENS else 0
     uncached = max(0, prompt_tokens - cached)
     decoding = rank.requests if rank.decode_load is None else rank.decode_load
-    return rank.prefill_tokens + uncached * (1 + rank.pressure) + TOKENS_PER_REQUEST * decoding
+    return rank.prefill_tokens + uncached * (1 + rank.requests + rank.pressure) + TOKENS_PER_REQUEST * decoding
 
 
 def choose_cache_aware(ranks: list[RankView], prompt_tokens: int, start: int, max_gap: int = MAX_LOAD_GAP) -> int:

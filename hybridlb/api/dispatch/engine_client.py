@@ -206,8 +206,11 @@ class EngineConnection:
             self._dispatch(message.outputs)
             if message.stats is not None:
                 self.update_stats(message.stats)
-            if message.evicted and self.prefix is not None:
-                self.prefix.forget(message.evicted)
+            if self.prefix is not None:
+                if message.stored:
+                    self.prefix.record(message.stored)
+                if message.evicted:
+                    self.prefix.forget(message.evicted)
         elif isinstance(message, EngineReady):
             self.info, self.alive, self.seq = message, True, 0
             # A (re)started engine's cache starts empty.

@@ -13,7 +13,7 @@ from hybridlb.checkpoint.path import resolve
 from hybridlb.checkpoint.tokenizer import read_eos_token_ids
 from hybridlb.config import EngineConfig
 from hybridlb.engine import checks
-from hybridlb.engine.block_manager import Removed
+from hybridlb.engine.block_manager import Removed, Stored
 from hybridlb.engine.dp_context import DPContext
 from hybridlb.engine.errors import SickEngine
 from hybridlb.engine.step_clock import StepClock
@@ -253,16 +253,16 @@ class VllmCore:
     # -- what the process shell publishes --------------------------------------------
     expert_parallel = None  # dense ranks only (start_checks refuses expert parallelism with this backend)
 
-    def enable_cache_events(self, stored: bool) -> None:
-        """Evictions are always recorded (with prefix caching); stored blocks are not published
-        (engine.kv_events is refused with this backend)."""
+    def enable_cache_events(self) -> None:
+        """Stored and evicted blocks are always recorded (with prefix caching), for the front
+        ends; engine.kv_events (publishing them on) is refused with this backend."""
 
-    def take_cache_events(self) -> list[Removed]:
-        """The blocks vLLM evicted since the last call, by hybridlb's hashes."""
+    def take_cache_events(self) -> list[Stored | Removed]:
+        """The blocks vLLM cached and evicted since the last call, by hybridlb's hashes."""
         if self.cache_events is None:
             return []
-        removed, self.cache_events.removed = self.cache_events.removed, []
-        return removed
+        events, self.cache_events.events = self.cache_events.events, []
+        return events
 
     @property
     def prefix_caching(self) -> bool:

@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-from hybridlb.engine.block_manager import Removed
+from hybridlb.engine.block_manager import Removed, Stored
 from hybridlb.prefix_hash import block_hash
 
 
 class CacheEvents:
     """Stands in for the KV-event publisher of vLLM's scheduler: follows the blocks vLLM caches,
     naming each by hybridlb's hash of the same tokens (``prefix_hash``, what the API server's
-    prefix index routes by), and turns the ones vLLM evicts into ``Removed`` events."""
+    prefix index routes by), as ``Stored`` events, and the ones vLLM evicts as ``Removed``."""
 
     def __init__(self, seed: int, adapter_seeds: dict[str, int]):
         self.seed, self.adapter_seeds = seed, adapter_seeds
         self.ours: dict = {}  # vLLM's block hash -> hybridlb's
-        self.removed: list[Removed] = []
+        self.events: list[Stored | Removed] = []
 
     def publish(self, batch) -> None:
         for event in batch.events:
@@ -26,13 +26,15 @@ class CacheEvents:
                     continue
                 size = event.block_size
                 for index, theirs in enumerate(event.block_hashes):
-                    parent = block_hash(parent, event.token_ids[index * size:(index + 1) * size])
-                    self.ours[theirs] = parent
+                    tokens = event.token_ids[index * size:(index + 1) * size]
+                    ours = block_hash(parent, tokens)
+                    self.events.append(Stored(ours, parent, tokens))
+                    self.ours[theirs] = parent = ours
             elif kind == "BlockRemoved":
-                self.removed += [Removed(ours) for theirs in event.block_hashes
-                                 if (ours := self.ours.pop(theirs, None)) is not None]
+                self.events += [Removed(ours) for theirs in event.block_hashes
+                                if (ours := self.ours.pop(theirs, None)) is not None]
             elif kind == "AllBlocksCleared":
-                self.removed += [Removed(ours) for ours in self.ours.values()]
+                self.events += [Removed(ours) for ours in self.ours.values()]
                 self.ours.clear()
 
     def shutdown(self) -> None:
