@@ -85,8 +85,9 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {  # name: title, command, what it
     "soak": ("Soak: memory under steady load", "python benchmarks/load_soak.py soak",
              "Steady mixed load; RSS of every process of the serve tree sampled over time."),
     "prefix_routing": ("Prefix caching and cache-aware routing", "python benchmarks/prefix_routing.py",
-                       "SmolLM2 bfloat16, DP=2 hybrid on one node: shared system prompts and multi-turn chats, "
-                       "hybridlb's LB policies with prefix caching on and off, and vLLM DP=2 hybrid LB."),
+                       "SmolLM2 (bfloat16, or the dtype a setting names), DP=2 hybrid on one node: shared system "
+                       "prompts and multi-turn chats, hybridlb's LB policies with prefix caching on and off, "
+                       "and vLLM DP=2 hybrid LB."),
     "chat_ttft": ("Chat TTFT as vLLM's client reads it", "python benchmarks/chat_ttft.py",
                   "`vllm bench serve --backend openai-chat` against hybridlb: its mean TTFT against the "
                   "server's own histogram over the same requests (goal: within 10 %)."),
