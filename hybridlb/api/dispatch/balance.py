@@ -70,11 +70,13 @@ class RankView(NamedTuple):
 # MAX_LOAD_GAP when the other has 2). Measured on multi-turn chats (benchmarks/prefix_routing.py,
 # 16 in flight): pricing a recompute by this prompt's first token alone (1 + pressure) moved
 # 15-20 of 96 turns off the rank holding their history, mostly to dodge a few hundred tokens of
-# queued prefill, and recomputed it there (hits 55% of an ideal 63%); priced as here, 1 of 96
-# (62%). A prompt cached nowhere goes to the least busy rank, the emptier cache breaking
-# near-ties. Cached prefixes under MIN_CACHED_TOKENS do not count (a chat template's first
-# blocks save less prefill than piling every request onto one rank costs), and no rank more
-# than MAX_LOAD_GAP requests above the least loaded is picked, so one hot prefix spreads out.
+# queued prefill, and recomputed it there (hits 53-56% of an ideal 63%); priced as here, 1 and
+# 6 of 96 (62%, 57%) in the two rounds traced, though over 3 rounds its hits were within the
+# spread of least_loaded's (benchmarks/REPORT.md). A prompt cached nowhere goes to the least
+# busy rank, the emptier cache breaking near-ties. Cached prefixes under MIN_CACHED_TOKENS do
+# not count (a chat template's first blocks save less prefill than piling every request onto
+# one rank costs), and no rank more than MAX_LOAD_GAP requests above the least loaded is
+# picked, so one hot prefix spreads out.
 TOKENS_PER_REQUEST = 128
 MIN_CACHED_TOKENS = 256
 MAX_LOAD_GAP = 8
