@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
+import time
 
 import zmq
 from zmq.utils import z85
@@ -55,3 +57,34 @@ def connect_securely(sock: zmq.Socket, address: str, token: str | None) -> None:
     if _guarded(address, token):
         sock.curve_serverkey = _server_keys(token)[0]
         sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+
+
+# ZMTP 3's greeting: a 10-byte signature, the major version, then minor version, the mechanism's
+# name (20 bytes, NUL-padded), as-server and filler: 64 bytes. A peer sends its own remainder
+# once it has our signature and major version.
+_ZMTP_OPENING = b"\xff" + bytes(8) + b"\x7f" + b"\x03"
+_GREETING_SIZE = 64
+
+
+def speaks_curve(address: str, timeout_s: float = 2.0) -> bool | None:
+    """Whether the ZMQ socket listening at ``address`` (``tcp://host:port``) demands CURVE, read
+    from its ZMTP greeting; None when nothing there answers with one (not listening yet, a proxy
+    that closed). A client without keys cannot always tell on its own: when the server reads
+    the client's whole greeting at once it drops the connection before its own mechanism is
+    sent, and the client sees a handshake cut short with no detail."""
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    deadline = time.monotonic() + timeout_s
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s) as conn:
+            conn.sendall(_ZMTP_OPENING)
+            greeting = b""
+            while len(greeting) < _GREETING_SIZE and (left := deadline - time.monotonic()) > 0:
+                conn.settimeout(left)
+                if not (chunk := conn.recv(_GREETING_SIZE - len(greeting))):
+                    break
+                greeting += chunk
+    except (OSError, ValueError):
+        return None
+    if len(greeting) < 32 or greeting[0] != 0xFF or greeting[10] < 3:
+        return None
+    return greeting[12:32].rstrip(b"\0") == b"CURVE"

@@ -39,11 +39,12 @@ from hybridlb.protocol import (
     from_head_decoder,
     to_head_decoder,
 )
-from hybridlb.transport import cluster_token, connect_securely, serve_securely
+from hybridlb.transport import cluster_token, connect_securely, serve_securely, speaks_curve
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 1.0
 REFUSAL_LOG_S = 10.0
+PROBE_S = 1.0  # a node without a token asks the head's greeting for its mechanism at most this often
 HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 HEAD_SILENCE_S = 5.0
@@ -253,6 +254,7 @@ class NodeLink:
         self.keyed = cluster_token(dp.cluster_token) is not None
         connect_securely(self.socket, self.head, cluster_token(dp.cluster_token))
         self.transport = self.socket.get_monitor_socket(HANDSHAKE_FAILED)
+        self.next_probe = 0.0
         self.socket.connect(self.head)
         self.last_heard = time.monotonic()
         self.lost: str | None = None
@@ -294,14 +296,19 @@ class NodeLink:
         return reply
 
     def _refused(self) -> bool:
-        """Whether the head refused our secure handshake: with no token of our own, only a
-        protocol error says so (the head speaks CURVE); a handshake cut short with no detail is
-        also what a proxy gives while the head is not listening yet, so it counts only when we
-        have a token (a wrong key looks the same)."""
-        refused = False
+        """Whether the head refused our secure handshake. With a token, any failed handshake
+        says so (a wrong key ends in one cut short with no detail). Without one, a protocol
+        error does (the head speaks CURVE), but a handshake cut short with no detail is what
+        a busy head gives as well as a proxy whose head is not up yet: then ask the head's
+        greeting which mechanism it speaks (at most every PROBE_S)."""
+        refused = cut_short = False
         while self.transport.poll(0):
             event = parse_monitor_message(self.transport.recv_multipart())["event"]
             refused |= self.keyed or event != zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+            cut_short = True
+        if cut_short and not refused and time.monotonic() >= self.next_probe:
+            self.next_probe = time.monotonic() + PROBE_S
+            refused = speaks_curve(self.head) is True
         return refused
 
     def wait_cluster_ready(self, start_rank: int, timeout_s: float) -> ClusterReady:

@@ -3,6 +3,9 @@ registrations that claim ranks they must not."""
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import threading
 import time
 
 import msgspec
@@ -10,7 +13,7 @@ import pytest
 import zmq
 
 from hybridlb.config import parse_config
-from hybridlb.launch.handshake import HeadHandshake, registration
+from hybridlb.launch.handshake import ClusterError, HeadHandshake, NodeLink, registration
 from hybridlb.protocol import (
     ClusterReady,
     Heartbeat,
@@ -22,7 +25,7 @@ from hybridlb.protocol import (
     from_head_decoder,
 )
 from hybridlb.testing.ports import free_port
-from hybridlb.transport import connect_securely
+from hybridlb.transport import connect_securely, serve_securely, speaks_curve
 
 TOKEN = "cluster-secret"
 SHARED = NodeAccepted("tcp://127.0.0.1:7001", "tcp://127.0.0.1:7002", None)
@@ -131,18 +134,77 @@ def test_without_the_token_a_peer_cannot_even_deliver_a_message(head, context, k
     assert Node(context, head).register(start_rank=1, token=TOKEN) == SHARED  # insiders still join
 
 
-def test_a_node_with_another_token_is_told_why(head, tiny_qwen3):
-    from hybridlb.launch.handshake import ClusterError, NodeLink
-
-    config = parse_config({"engine": {"model": tiny_qwen3}, "data_parallel": {
+def _join(model: str, address: str, token: str | None) -> None:
+    config = parse_config({"engine": {"model": model}, "data_parallel": {
         "size": 3, "size_local": 1, "start_rank": 1, "address": "127.0.0.1",
-        "rpc_port": int(head.address.rsplit(":", 1)[1]), "cluster_token": "another"}})
+        "rpc_port": int(address.rsplit(":", 1)[1]), "cluster_token": token}})
     link = NodeLink(config)
     try:
-        with pytest.raises(ClusterError, match="cluster token differs"):
-            link.join(registration(config, 1, 1, {}), timeout_s=10)
+        link.join(registration(config, 1, 1, {}), timeout_s=10)
     finally:
         link.close()
+
+
+@pytest.mark.parametrize("token", ["another", None])
+def test_a_node_with_another_token_or_none_is_told_why(head, tiny_qwen3, token, monkeypatch):
+    monkeypatch.delenv("HYBRIDLB_CLUSTER_TOKEN", raising=False)
+    with pytest.raises(ClusterError, match="cluster token differs"):
+        _join(tiny_qwen3, head.address, token)
+
+
+class BusyCurveHead(threading.Thread):
+    """What a keyed head's libzmq does when it is slow to read (seen under CI's load): it has
+    sent its signature, then reads the peer's whole greeting at once, finds the mechanism
+    wrong and drops the connection before its own mechanism went out, so the tokenless peer
+    learns nothing but "handshake failed, no detail" on every retry. A peer that sends only
+    the greeting's opening (as ``speaks_curve`` does) gets the rest: CURVE."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"tcp://127.0.0.1:{self.listener.getsockname()[1]}"
+
+    def run(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = self.listener.accept()
+                with conn:
+                    conn.sendall(b"\xff" + bytes(8) + b"\x7f\x03")  # signature and major version
+                    time.sleep(0.2)  # busy
+                    conn.settimeout(0.5)
+                    received = conn.recv(64)
+                    if len(received) < 64:
+                        conn.sendall(b"\x00" + b"CURVE".ljust(20, b"\0") + b"\x01" + bytes(31))
+                        with contextlib.suppress(OSError):
+                            conn.recv(64)
+
+
+def test_a_node_without_a_token_is_told_why_when_the_head_cuts_every_handshake_short(tiny_qwen3, monkeypatch):
+    monkeypatch.delenv("HYBRIDLB_CLUSTER_TOKEN", raising=False)
+    busy = BusyCurveHead()
+    busy.start()
+    try:
+        with pytest.raises(ClusterError, match="cluster token differs"):
+            _join(tiny_qwen3, busy.address, None)
+    finally:
+        busy.listener.close()
+
+
+def test_the_greeting_says_which_mechanism_a_socket_demands(context):
+    routers = []
+
+    def bound(token: str | None) -> str:
+        routers.append(router := context.socket(zmq.ROUTER))
+        router.setsockopt(zmq.LINGER, 0)
+        serve_securely(router, "tcp://127.0.0.1:1", token)
+        return f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
+
+    assert speaks_curve(bound(TOKEN)) is True
+    assert speaks_curve(bound(None)) is False
+    assert speaks_curve(f"tcp://127.0.0.1:{free_port()}") is None  # nothing listens
+    with socket.create_server(("127.0.0.1", 0)) as closer:  # a proxy with nothing behind it
+        threading.Thread(target=lambda: closer.accept()[0].close(), daemon=True).start()
+        assert speaks_curve(f"tcp://127.0.0.1:{closer.getsockname()[1]}") is None
 
 
 def test_a_node_that_is_gone_gives_its_ranks_to_the_next(head, context):
