@@ -34,6 +34,7 @@ from report_lora import lora
 from report_machine import machine_peak, step_profile
 from report_routing import prefix_routing, vllm_ranks
 from report_sections import Page, generic
+from report_time import time_accounting
 from report_vs_vllm import step_budget, vs_vllm
 
 SECTIONS: dict[str, Callable[[Page, dict], str]] = {
@@ -43,7 +44,7 @@ SECTIONS: dict[str, Callable[[Page, dict], str]] = {
     "load": sections.load, "soak": sections.soak, "control_plane": sections.control_plane,
     "prefix_routing": prefix_routing, "chat_ttft": chat_ttft, "quantized": quantized,
     "speculative": speculative, "lora": lora, "machine_peak": machine_peak, "step_profile": step_profile,
-    "step_budget": step_budget,
+    "step_budget": step_budget, "time_accounting": time_accounting, "time_accounting_small": time_accounting,
 }
 
 BENCHMARKS: dict[str, tuple[str, str, str]] = {  # name: title, command, what it measures
@@ -114,6 +115,16 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {  # name: title, command, what it
                      "One engine, the real SmolLM2: a decode step timed without the profiler, its matmul GFLOP/s as a "
                      "fraction of machine_peak.py's decode peak at the same batch; then the step and a prefill step "
                      "profiled by model part."),
+    "time_accounting": ("Where a served token's time goes", "python benchmarks/time_accounting.py",
+                        "One engine served (API server and client on the same machine) against the same workload "
+                        "in-process, alternating, each alone: the engine's loop by step kind and phase (its own "
+                        "/metrics counters), CPU and context switches by process (/proc) against cores x wall, and "
+                        "in a profiled run the API server's CPU by what it did (py-spy) and each thread's cores."),
+    "time_accounting_small": ("Where a served token's time goes: a model with short steps",
+                              "python benchmarks/time_accounting.py --model small --num-prompts 640 --rounds 2 "
+                              "--out benchmarks/results/time_accounting_small.json",
+                              "The same accounting on the random 8-layer qwen3 (decode steps a quarter of "
+                              "SmolLM2's), where the front end's work is a larger share of each step."),
     "quantized": ("Weights kept quantized: int8 and 4-bit against bfloat16", "python benchmarks/quantized.py",
                   "SmolLM2 bfloat16 activations, one engine: the GGUF file dequantized (bf16), int8 per channel, and "
                   "the file's own Q4_1 blocks kept (q4). Output tok/s and TPOT at concurrency 1 and 16, weight bytes "

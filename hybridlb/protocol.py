@@ -198,6 +198,15 @@ class EngineStats(msgspec.Struct, tag="stats"):
     step_failures: int = 0  # steps that raised; their requests failed (rides along)
     longest_step_s: float = 0.0  # the longest a step may take here, by recent steps (engine.step_clock; rides along)
     borrowed_steps: int = 0  # steps run on cores borrowed from the node's idle engines (rides along)
+    # Where the engine's time went since start (rides along; engine.step_clock): steps by kind
+    # (decode, mixed, prefill, unclassified) and the loop's phases (idle: waiting for work;
+    # take: taking messages in; step: the whole step, scheduling included; publish: outputs
+    # and stats out), with the loop's wall time they add up to.
+    step_s: dict[str, float] = msgspec.field(default_factory=dict)
+    step_counts: dict[str, int] = msgspec.field(default_factory=dict)
+    step_tokens: dict[str, int] = msgspec.field(default_factory=dict)
+    loop_s: dict[str, float] = msgspec.field(default_factory=dict)
+    uptime_s: float = 0.0  # the loop's wall time since it started
     # Speculative decoding since start (rides along): drafts, their tokens, tokens accepted,
     # and acceptances at each draft position.
     spec_drafts: int = 0

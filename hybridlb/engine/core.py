@@ -27,7 +27,7 @@ from hybridlb.engine.lora import AdapterSlots, read_for_request
 from hybridlb.engine.request import Request
 from hybridlb.engine.scheduler import ScheduledChunk, Scheduler
 from hybridlb.engine.speculative import NgramProposer
-from hybridlb.engine.step_clock import StepClock
+from hybridlb.engine.step_clock import StepClock, step_kind
 from hybridlb.params import LoRARequest, SamplingParams
 from hybridlb.prefix_hash import adapter_seed, hash_seed
 from hybridlb.protocol import EngineReady, EngineStats, RequestOutput
@@ -211,7 +211,7 @@ class EngineCore:
         """Run what ``schedule()`` returned; sample, append, finish. Busy time counts from
         ``started`` (default: now), so work done for the step before it is included."""
         started = time.perf_counter() if started is None else started
-        decoding = self.scheduler.proposer is not None and all(c.request.num_uncomputed == 1 for c in chunks)
+        kind = step_kind(chunks)
         tokens = self.runner.run(chunks)
         self.num_steps += 1
         try:
@@ -219,8 +219,8 @@ class EngineCore:
         except Exception as exc:  # tokens may be appended already: this step must not run again
             raise blame.AfterTheStep(f"{type(exc).__name__}: {exc}") from exc
         self.busy_s += (seconds := time.perf_counter() - started)
-        self.clock.record(seconds, rows := sum(c.num_tokens for c in chunks))
-        if decoding and chunks:  # what drafts cost: decode steps' time against their rows
+        self.clock.record(seconds, rows := sum(c.num_tokens for c in chunks), kind)
+        if self.scheduler.proposer is not None and kind == "decode" and chunks:  # drafts' cost: time per row
             self.scheduler.proposer.cost.timed(rows, seconds)
         return outputs
 
@@ -323,6 +323,7 @@ class EngineCore:
             cached_blocks=self.blocks.num_cached,
             step_failures=self.step_failures,
             longest_step_s=round(self.clock.longest_step_s(), 3),
+            **self.clock.by_kind(),
             spec_drafts=spec.drafts,
             spec_draft_tokens=spec.draft_tokens,
             spec_accepted_tokens=spec.accepted_tokens,

@@ -33,6 +33,7 @@ from hybridlb.engine.dp_context import DPContext
 from hybridlb.engine.io_thread import IO_FAILED, IOThread
 from hybridlb.engine.kv_events import KVEventPublisher
 from hybridlb.engine.lockstep import Lockstep
+from hybridlb.engine.step_clock import LoopClock
 from hybridlb.protocol import (
     AbortRequests,
     AddRequest,
@@ -95,6 +96,7 @@ class EngineShell:
         self.owners: dict[str, bytes] = {}
         self.sent: dict[bytes, int] = {}  # per front end: EngineOutputs sent since its EngineReady
         self.orphans_aborted = 0
+        self.loop = LoopClock()
         self.last_stats: EngineStats | None = None
         self.stats_seq = 0
         self.epoch = time.time_ns()
@@ -130,9 +132,12 @@ class EngineShell:
                     break
                 if self.cores is not None and self._busy:
                     self.cores.stepping()
-                for output in self._step():
+                outputs = self._step()
+                self.loop.lap("step")
+                for output in outputs:
                     self._route_output(route, output)
                 self._publish(route)
+                self.loop.lap("publish")
         finally:
             with contextlib.suppress(zmq.Again):  # an I/O thread that died reads no more
                 self.outbox.send_multipart([b"", b""], zmq.NOBLOCK)
@@ -165,6 +170,11 @@ class EngineShell:
     def _drain(self, route: _Route, block: bool) -> None:
         try:
             item = self.inbox.get(block=block, timeout=STATS_HEARTBEAT_S if block else None)
+        except queue.Empty:
+            return
+        finally:
+            self.loop.lap("idle")
+        try:
             while True:
                 if item is _STOP:
                     self.stopping = True
@@ -175,6 +185,8 @@ class EngineShell:
                 item = self.inbox.get_nowait()
         except queue.Empty:
             pass
+        finally:
+            self.loop.lap("take")
 
     def _handle(self, route: _Route, identity: bytes, message) -> None:
         """One inbox message, under its own error boundary: what fails here is that message's
@@ -287,7 +299,7 @@ class EngineShell:
         rides along did (counters, busy time, memory), so no reader's view is more than a
         heartbeat old."""
         stats = msgspec.structs.replace(self.core.stats(), orphans_aborted=self.orphans_aborted,
-                                        borrowed_steps=self.cores.borrowed if self.cores else 0)
+                                        borrowed_steps=self.cores.borrowed if self.cores else 0, **self.loop.stats())
         if self.lockstep is not None:
             stats = self.lockstep.annotate(stats)
         last = self.last_stats

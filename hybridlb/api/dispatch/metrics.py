@@ -111,6 +111,15 @@ class EngineTotals(Collector):
          "adapter-aware routing, or a first use).", "lora_loads"),
     )
 
+    TIME_COUNTERS = (
+        ("hybridlb:engine_step_seconds", "Time in engine steps, by kind: decode, mixed (prefill chunks with "
+         "decodes), prefill, unclassified (a backend that cannot tell).", "step_s", "kind"),
+        ("hybridlb:engine_steps", "Engine steps that ran tokens, by kind.", "step_counts", "kind"),
+        ("hybridlb:engine_step_tokens", "Positions computed by engine steps, by kind.", "step_tokens", "kind"),
+        ("hybridlb:engine_loop_seconds", "Wall time of the engine's loop by phase: idle (waiting for work), "
+         "take (requests in), step (scheduling and the step), publish (outputs and stats out).", "loop_s", "phase"),
+    )
+
     def __init__(self, model_name: str, max_loras: int = 0):
         self.model_name = model_name
         self.max_loras = max_loras  # LoRA: adapters per engine (0: LoRA off, no lora_requests_info)
@@ -128,6 +137,22 @@ class EngineTotals(Collector):
         for rank, stats in sorted(self.stats.items()):
             for position, accepted in enumerate(stats.spec_accepted_per_pos):
                 family.add_metric([self.model_name, str(rank), str(position)], accepted)
+        yield family
+        yield from self._where_time_went()
+
+    def _where_time_went(self):
+        """Each engine's steps by kind and its loop's wall time by phase (engine.step_clock)."""
+        for name, help_, field, label in self.TIME_COUNTERS:
+            family = CounterMetricFamily(name, help_, labels=["model_name", "engine", label])
+            for rank, stats in sorted(self.stats.items()):
+                for key, value in sorted(getattr(stats, field).items()):
+                    family.add_metric([self.model_name, str(rank), key], value)
+            yield family
+        family = CounterMetricFamily("hybridlb:engine_uptime_seconds", "Wall time of the engine's loop since it "
+                                     "started (what engine_loop_seconds' phases add up to).",
+                                     labels=["model_name", "engine"])
+        for rank, stats in sorted(self.stats.items()):
+            family.add_metric([self.model_name, str(rank)], stats.uptime_s)
         yield family
         if self.max_loras:
             yield self._lora_info()

@@ -242,6 +242,7 @@ class VllmCore:
             rss_mib=self._resident_mib(), num_preemptions=self.preemptions, prefix_queries=self.prefix_queries,
             prefix_hits=self.prefix_hits, step_failures=self.step_failures,
             longest_step_s=round(max(self.clock.longest_step_s(), self.compile_s), 3),
+            **self.clock.by_kind(),
         )
 
     def _resident_mib(self) -> float:

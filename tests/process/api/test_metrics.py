@@ -3,6 +3,8 @@ one series per engine) and vLLM's stock Grafana dashboard (every panel's metric 
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -63,3 +65,38 @@ def test_every_dashboard_panel_has_a_series_after_traffic(server):
     assert queue == 16
     preempted = sum(s.value for s in found["vllm:num_preemptions"].samples if s.name.endswith("_total"))
     assert preempted > 0, "16 x 100 tokens in 2 caches of a few blocks each must preempt"
+
+
+def _per_engine(found: dict, name: str, label: str | None = None) -> dict:
+    return {(s.labels["engine"], s.labels[label]) if label else s.labels["engine"]: s.value
+            for s in found[name].samples if s.name.endswith("_total")}
+
+
+def test_each_engines_time_is_accounted_by_step_kind_and_loop_phase(server):
+    """What benchmarks/time_accounting.py reads: every position an engine computed is in one
+    kind of step, and its loop's phases add up to its wall time."""
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda i: completion(server.url, server.model, f"Count to {i}", max_tokens=24, ignore_eos=True),
+                      range(8)))
+    time.sleep(1.5)  # the engines' next heartbeat carries their totals
+    found = families(server.url)
+    tokens = _per_engine(found, "hybridlb:engine_step_tokens", "kind")
+    steps = _per_engine(found, "hybridlb:engine_steps", "kind")
+    seconds = _per_engine(found, "hybridlb:engine_step_seconds", "kind")
+    loop = _per_engine(found, "hybridlb:engine_loop_seconds", "phase")
+    uptime = _per_engine(found, "hybridlb:engine_uptime_seconds")
+    prompt, generated = _per_engine(found, "vllm:prompt_tokens"), _per_engine(found, "vllm:generation_tokens")
+    requests = {engine: sum(s.value for s in found["vllm:request_success"].samples
+                            if s.labels["engine"] == engine and s.name.endswith("_total")) for engine in ("0", "1")}
+    for engine in ("0", "1"):
+        assert steps[engine, "decode"] > 0 and steps.get((engine, "prefill"), 0) + steps.get((engine, "mixed"), 0) > 0
+        computed = sum(v for (e, _), v in tokens.items() if e == engine)
+        # every prompt position and every output token but each request's last (preemption recomputes more)
+        assert computed >= prompt[engine] + generated[engine] - requests[engine], (engine, tokens)
+        phases = {phase: v for (e, phase), v in loop.items() if e == engine}
+        assert set(phases) == {"idle", "take", "step", "publish"}
+        assert sum(phases.values()) == pytest.approx(uptime[engine], abs=0.01)
+        assert phases["idle"] > 0.5 * uptime[engine]  # a test server waits far more than it steps
+        assert sum(v for (e, _), v in seconds.items() if e == engine) <= phases["step"]
