@@ -50,7 +50,8 @@ def time_accounting(page: Page, data: dict) -> str:
         page.table(["process/thread", "CPU ticks on each core"],
                    [[name, ", ".join(f"core {core}: {n}" for core, n in cores.items())]
                     for name, cores in profiled["cores_by_thread"].items()])
-    page.figure("time_accounting", "served vs in-process output tok/s", lambda ax: bars(
+    name = "".join(c if c.isalnum() else "_" for c in meta["model"].lower())
+    page.figure(f"time_accounting_{name}", "served vs in-process output tok/s", lambda ax: bars(
         ax, ["served", "in-process"],
         {"median": [statistics.median(r["served"]["output_tok_s"] for r in rounds),
                     statistics.median(r["in_process"]["output_tok_s"] for r in rounds)]}, "output tok/s"))
