@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from hybridlb.api.dispatch.engine_client import STALL_STEPS, EngineConnection
 from hybridlb.engine.step_clock import StepClock
 from hybridlb.protocol import EngineStats
@@ -42,3 +44,39 @@ def test_an_engine_core_reports_its_longest_step(tiny_qwen3):
     while core.has_work:
         core.step()
     assert 0.02 <= core.stats().longest_step_s < 1.0
+
+
+def test_steps_are_counted_by_kind_and_every_position_once(tiny_qwen3):
+    """A 40-token prompt in 16-token chunks (prefill), a second prompt joining its decodes (mixed),
+    then decodes alone; each request computes its prompt and every output token but the last."""
+    from hybridlb.config import EngineConfig
+    from hybridlb.engine.core import make_core
+    from hybridlb.params import SamplingParams
+
+    core = make_core(EngineConfig(model=tiny_qwen3, max_model_len=256, num_kv_blocks=64, max_num_batched_tokens=16,
+                                  simulate={"step_ms": 1}))
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    core.add_request("a", list(range(1, 41)), params)
+    for _ in range(3):
+        core.step()
+    core.add_request("b", list(range(1, 11)), params)
+    while core.has_work:
+        core.step()
+    stats = core.stats()
+    assert stats.step_counts["prefill"] == 3 and stats.step_counts["mixed"] >= 1 and stats.step_counts["decode"] >= 1
+    assert sum(stats.step_tokens.values()) == (40 + 3) + (10 + 3)
+    assert set(stats.step_s) == set(stats.step_counts) and all(s > 0 for s in stats.step_s.values())
+
+
+def test_the_loops_phases_add_up_to_its_wall_time():
+    import time
+
+    from hybridlb.engine.step_clock import LoopClock
+
+    loop = LoopClock()
+    for phase in ("idle", "take", "step", "publish", "step"):
+        time.sleep(0.01)
+        loop.lap(phase)
+    stats = loop.stats()
+    assert sum(stats["loop_s"].values()) == pytest.approx(stats["uptime_s"], abs=1e-3)
+    assert stats["loop_s"]["step"] == pytest.approx(2 * stats["loop_s"]["take"], rel=0.5)
