@@ -147,3 +147,16 @@ def test_a_connection_counts_each_requests_tokens_to_go_down_as_they_arrive():
             context.destroy(linger=0)
 
     asyncio.run(main())
+
+
+def test_a_prompt_cached_nowhere_goes_by_load_not_by_the_requests_it_would_stall():
+    """A burst of long and short prompts: rank 0 holds one long request, rank 1 four short ones
+    (a tenth of the long prompt's steps each). A fresh long prompt must be computed in full
+    wherever it goes, so it goes by load (rank 1), not away from rank 1's many requests — that
+    stacked the long ones on one rank (948 against 396 generated tokens in a skewed burst)."""
+    long_there = RankView(requests=1, prefill_tokens=300, cached_tokens=0, pressure=0.0, decode_load=1.0)
+    shorts_there = RankView(requests=4, prefill_tokens=40, cached_tokens=0, pressure=0.0, decode_load=0.4)
+    assert choose_cache_aware([long_there, shorts_there], 300, start=0) == 1
+    # with the prompt's prefix on rank 0, recomputing it beside rank 1's four requests is priced
+    cached = long_there._replace(cached_tokens=290)
+    assert choose_cache_aware([cached, shorts_there], 300, start=1) == 0

@@ -53,7 +53,8 @@ class RankView(NamedTuple):
 # + uncached * (1 + requests + pressure)
 #                                   this prompt's tokens the rank would compute: its first token
 #                                   waits for them, and so does the next token of each request
-#                                   there (a recompute on a busy rank stalls all of them); a
+#                                   there (a recompute on a busy rank stalls all of them; priced
+#                                   only when some rank holds the prompt's prefix); a
 #                                   full cache also loses what the new blocks evict (a prefix
 #                                   other requests may need)
 # + TOKENS_PER_REQUEST * decode_load  each request decoding there slows the steps of this one
@@ -72,8 +73,11 @@ class RankView(NamedTuple):
 # 15-20 of 96 turns off the rank holding their history, mostly to dodge a few hundred tokens of
 # queued prefill, and recomputed it there (hits 53-56% of an ideal 63%); priced as here, 1 and
 # 6 of 96 (62%, 57%) in the two rounds traced, though over 3 rounds its hits were within the
-# spread of least_loaded's (benchmarks/REPORT.md). A prompt cached nowhere goes to the least
-# busy rank, the emptier cache breaking near-ties. Cached prefixes under MIN_CACHED_TOKENS do
+# spread of least_loaded's (benchmarks/REPORT.md). A prompt cached nowhere is computed in full
+# whichever rank takes it, so the stall is not priced (1 + pressure): it goes to the least busy
+# rank, the emptier cache breaking near-ties (pricing the stall there too kept long prompts off
+# ranks busy with short requests and stacked them on one: 948 against 396 generated tokens in
+# tests/cluster/dp/test_clusters.py's skewed bursts). Cached prefixes under MIN_CACHED_TOKENS do
 # not count (a chat template's first blocks save less prefill than piling every request onto
 # one rank costs), and no rank more than MAX_LOAD_GAP requests above the least loaded is
 # picked, so one hot prefix spreads out.
@@ -82,12 +86,14 @@ MIN_CACHED_TOKENS = 256
 MAX_LOAD_GAP = 8
 
 
-def serve_cost(rank: RankView, prompt_tokens: int) -> float:
-    """What serving a ``prompt_tokens`` prompt on ``rank`` costs, in prompt tokens (see above)."""
+def serve_cost(rank: RankView, prompt_tokens: int, cached_somewhere: bool = True) -> float:
+    """What serving a ``prompt_tokens`` prompt on ``rank`` costs, in prompt tokens (see above);
+    ``cached_somewhere``: whether any rank holds enough of it to count."""
     cached = rank.cached_tokens if rank.cached_tokens >= MIN_CACHED_TOKENS else 0
     uncached = max(0, prompt_tokens - cached)
+    stalled = rank.requests if cached_somewhere else 0
     decoding = rank.requests if rank.decode_load is None else rank.decode_load
-    return rank.prefill_tokens + uncached * (1 + rank.requests + rank.pressure) + TOKENS_PER_REQUEST * decoding
+    return rank.prefill_tokens + uncached * (1 + stalled + rank.pressure) + TOKENS_PER_REQUEST * decoding
 
 
 def choose_cache_aware(ranks: list[RankView], prompt_tokens: int, start: int, max_gap: int = MAX_LOAD_GAP) -> int:
@@ -95,12 +101,13 @@ def choose_cache_aware(ranks: list[RankView], prompt_tokens: int, start: int, ma
     ``max_gap`` requests of the least loaded. Ties go to the first at or after ``start``."""
     count = len(ranks)
     window = min(rank.requests for rank in ranks) + max_gap
+    cached_somewhere = any(rank.cached_tokens >= MIN_CACHED_TOKENS for rank in ranks)
     best, best_cost = None, None
     for offset in range(count):
         index = (start + offset) % count
         if ranks[index].requests > window:
             continue
-        cost = serve_cost(ranks[index], prompt_tokens)
+        cost = serve_cost(ranks[index], prompt_tokens, cached_somewhere)
         if best_cost is None or cost < best_cost:
             best, best_cost = index, cost
     return best

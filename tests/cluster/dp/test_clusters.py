@@ -142,8 +142,10 @@ def test_skewed_load_keeps_every_engine_busy(hybrid):
     head, worker = hybrid
     count = 80
     # Requests alternate nodes, so both nodes get long ones (balancing across nodes is the
-    # outside load balancer's job in hybrid mode).
-    prompts = [("long story " * 60) if i % 5 == 0 else f"short {i}" for i in range(count)]
+    # outside load balancer's job in hybrid mode). Each long prompt is its own: identical ones
+    # would share a cached prefix, which cache-aware routing may follow up to its load gap
+    # (tests/process/api/test_multiturn_routing.py is about that).
+    prompts = [(f"long story {i} " * 60) if i % 5 == 0 else f"short {i}" for i in range(count)]
     max_tokens = [120 if i % 5 == 0 else 12 for i in range(count)]
     for _ in range(3):
         before = {**generated_per_engine(head.url), **generated_per_engine(worker.url)}

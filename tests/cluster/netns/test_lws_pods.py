@@ -132,7 +132,12 @@ def test_lws_multi_port_pods_serve_every_rank_port_under_their_supervisor(networ
         assert ports["supervisor"] == SUPERVISOR_PORT
         for host in network.hosts[:len(pods)]:
             for probe in ("/health", "/readyz"):
-                assert _supervisor(host.address, ports["supervisor"], probe)[0] == 200
+                # The supervisor sees every rank up on its next probe round, which may follow the
+                # ranks' own readiness by a round (a Kubernetes probe retries the same way).
+                deadline = time.monotonic() + 15
+                while (answer := _supervisor(host.address, ports["supervisor"], probe))[0] != 200:
+                    assert time.monotonic() < deadline, (probe, answer)
+                    time.sleep(0.5)
             for i in (0, 1):
                 assert texts(f"http://{host.address}:{ports[f'rank{i}']}", tiny_qwen3) == expected(tiny_qwen3)
     finally:
