@@ -109,6 +109,8 @@ class EngineTotals(Collector):
         ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", "spec_accepted_tokens"),
         ("hybridlb:lora_adapter_loads", "LoRA adapters loaded into one of the engine's slots (a miss of "
          "adapter-aware routing, or a first use).", "lora_loads"),
+        ("hybridlb:engine_uptime_seconds", "Wall time of the engine's loop since it started (what "
+         "engine_loop_seconds' phases add up to).", "uptime_s"),
     )
 
     TIME_COUNTERS = (
@@ -148,12 +150,6 @@ class EngineTotals(Collector):
                 for key, value in sorted(getattr(stats, field).items()):
                     family.add_metric([self.model_name, str(rank), key], value)
             yield family
-        family = CounterMetricFamily("hybridlb:engine_uptime_seconds", "Wall time of the engine's loop since it "
-                                     "started (what engine_loop_seconds' phases add up to).",
-                                     labels=["model_name", "engine"])
-        for rank, stats in sorted(self.stats.items()):
-            family.add_metric([self.model_name, str(rank)], stats.uptime_s)
-        yield family
         if self.max_loras:
             yield self._lora_info()
 
