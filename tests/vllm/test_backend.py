@@ -56,8 +56,9 @@ def _counts(answer: dict) -> tuple[int, int]:
     return answer["usage"]["prompt_tokens"], answer["usage"]["completion_tokens"]
 
 
-def _ok(response: httpx.Response) -> dict:
-    assert response.status_code == 200, response.text
+def _ok(response: httpx.Response, server: Server | None = None) -> dict:
+    """The answer's JSON; on an error, its body and the end of the server's output (an engine's death)."""
+    assert response.status_code == 200, response.text + (f"\n{server.output[-6000:]}" if server else "")
     return response.json()
 
 
@@ -95,7 +96,7 @@ def test_streaming_equals_non_streaming_and_logprobs_come_through(pair):
     with httpx.Client(base_url=server.url, timeout=120) as client:
         for prompt in PROMPTS[:3]:
             body = {"model": "smollm2", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 2}
-            whole = _ok(client.post("/v1/completions", json=body))["choices"][0]
+            whole = _ok(client.post("/v1/completions", json=body), server)["choices"][0]
             parts, reason = [], None
             with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
                 for line in response.iter_lines():
@@ -116,6 +117,6 @@ def test_a_json_schema_response_validates(pair):
     body = {"model": "smollm2", "max_tokens": 80, "temperature": 0,
             "messages": [{"role": "user", "content": "Describe a person as JSON."}],
             "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": schema}}}
-    choice = _ok(httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120))["choices"][0]
+    choice = _ok(httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120), server)["choices"][0]
     assert choice["finish_reason"] == "stop"
     jsonschema.validate(json.loads(choice["message"]["content"]), schema)

@@ -106,7 +106,10 @@ def test_another_vllm_release_is_refused_with_the_install_command(monkeypatch):
 
 
 def test_a_core_in_this_process_runs_a_request_and_reports_its_load(smollm2_hf_dir):
-    """The scheduler's queues and KV usage (stats), outputs, logprobs and the finish, on the real model."""
+    """The scheduler's queues and KV usage (stats), outputs, logprobs and the finish, on the real model;
+    no step compiles anything (the logprobs helper vLLM compiles on first use was compiled at start)."""
+    from torch._dynamo.utils import counters
+
     from hybridlb.params import SamplingParams
 
     core = vllm_backend.VllmCore(EngineConfig(model=smollm2_hf_dir, backend="vllm", enforce_eager=True,
@@ -117,9 +120,10 @@ def test_a_core_in_this_process_runs_a_request_and_reports_its_load(smollm2_hf_d
     assert core.add_request("a", prompt, SamplingParams()).error == "request id 'a' is already in use"
     waiting = core.stats()
     assert (waiting.num_waiting, waiting.num_running) == (1, 0)
-    outputs = []
+    outputs, graphs = [], counters["stats"]["unique_graphs"]
     while core.has_work:
         outputs += core.step()
+        assert counters["stats"]["unique_graphs"] == graphs, "a step compiled a graph: a silent step of seconds"
         if outputs and outputs[-1].finish_reason is None:
             stats = core.stats()
             assert (stats.num_waiting, stats.num_running) == (0, 1) and stats.kv_usage > 0

@@ -37,6 +37,24 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def warm_logprobs_ranks(vocab_size: int, device: str) -> float:
+    """Compile vLLM's helper that ranks a sampled token among its logprobs (torch.compile even when
+    the model runs eager) before the rank says it is ready: on its first use it compiles inside a
+    step, 2-10 s of a silent engine on 2 CPU cores, and the API server would call the rank stuck and
+    move the first request that asks for logprobs. Called as vLLM's sampler calls it (the batch
+    dimension unbacked, under inference mode), so the compiled graph is the one a step reuses. Seconds it took."""
+    import torch
+    from vllm.v1.sample.ops.logprobs import batched_count_greater_than
+
+    started = time.perf_counter()
+    with torch.inference_mode():  # as a step runs: grad mode is part of what the compiled graph guards
+        logprobs, chosen = torch.zeros(2, vocab_size, device=device), torch.zeros(2, 1, device=device)
+        torch._dynamo.decorators.mark_unbacked(logprobs, 0)
+        torch._dynamo.decorators.mark_unbacked(chosen, 0)
+        batched_count_greater_than(logprobs, chosen)
+    return time.perf_counter() - started
+
+
 class VllmCore:
     """One rank's engine: vLLM's in-process engine core behind EngineCore's surface."""
 
@@ -75,6 +93,7 @@ class VllmCore:
         self.model_config = vllm_config.model_config
         self.max_model_len = self.model_config.max_model_len
         self.vocab_size = self.model_config.get_vocab_size()
+        self.warm_s = warm_logprobs_ranks(self.vocab_size, config.device)
         self.block_size_ = vllm_config.cache_config.block_size
         self.num_blocks = vllm_config.cache_config.num_gpu_blocks or 0
         self.eos_token_ids = read_eos_token_ids(config.model)
@@ -289,7 +308,8 @@ class VllmCore:
 
     def label(self) -> str:
         return (f"vLLM {self.version} engine core, {self.model_config.dtype} on {self.config.device}, "
-                f"threads bound to cores {os.environ.get('VLLM_CPU_OMP_THREADS_BIND', 'auto')}")
+                f"threads bound to cores {os.environ.get('VLLM_CPU_OMP_THREADS_BIND', 'auto')}, "
+                f"logprobs ranking compiled in {self.warm_s:.1f} s")
 
 
 class _Live:
