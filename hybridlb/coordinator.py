@@ -38,6 +38,7 @@ from hybridlb.protocol import (
     COORDINATOR_LIMIT,
     EngineStats,
     LoadSnapshot,
+    RankCount,
     StartWave,
     WaveComplete,
     encoder,
@@ -101,6 +102,8 @@ class Coordinator:
             return
         if isinstance(message, EngineStats):
             self._stats(message)
+        elif isinstance(message, RankCount):
+            self.resize(message.size)
         elif self.waves_out is None:
             log.warning("dropped a %s: this cluster has no waves (dense model)", type(message).__name__)
         elif not 0 <= message.wave < 2**62:  # far from overflowing the wire's int64 as it counts up
@@ -124,6 +127,21 @@ class Coordinator:
             self.changed = True
         if stats.epoch == latest.epoch:
             self.epoch_heard[stats.rank] = now  # when the epoch we hold last spoke
+
+    def resize(self, size: int) -> None:
+        """The cluster's ranks are now 0..size-1 (a resize, ``hybridlb.launch.scaling``): forget
+        the ranks above; a new rank counts as lost only after LOST_AFTER_S without a report."""
+        if not 1 <= size <= 2**16:
+            log.warning("dropped a rank count of %d", size)
+            return
+        now = time.monotonic()
+        for rank in range(self.size, size):
+            self.heard.setdefault(rank, now)
+        for rank in range(size, self.size):
+            for held in (self.latest, self.heard, self.epoch_heard):
+                held.pop(rank, None)
+        log.info("the cluster has %d ranks (was %d)", size, self.size)
+        self.size, self.changed = size, True
 
     def _start_wave(self, message: StartWave) -> None:
         self.wave_messages += 1

@@ -249,6 +249,13 @@ class StartWave(msgspec.Struct, tag="start_wave"):
     rank: int
 
 
+class RankCount(msgspec.Struct, tag="rank_count"):
+    """The node's launcher, after a resize (``hybridlb.launch.scaling``): the cluster now has
+    ranks 0..size-1; stats of ranks above are dropped and they no longer count as lost."""
+
+    size: int
+
+
 class EngineOutputs(msgspec.Struct, tag="outputs"):
     rank: int
     outputs: list[RequestOutput]
@@ -313,7 +320,7 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
 
 ToEngine = Hello | AddRequest | AbortRequests | StartWave | LoadAdapters
 FromEngine = EngineReady | EngineOutputs
-ToCoordinator = EngineStats | WaveComplete | StartWave
+ToCoordinator = EngineStats | WaveComplete | StartWave | RankCount
 ToHead = RegisterNode | NodeReady | Heartbeat
 FromHead = NodeAccepted | NodeRejected | ClusterReady | Heartbeat | Shutdown
 

@@ -24,6 +24,7 @@ from hybridlb.api.dispatch.lora import AdapterRegistry, runtime_updates_allowed
 from hybridlb.api.dispatch.metrics import Metrics
 from hybridlb.api.dispatch.pool import EnginePool
 from hybridlb.api.dispatch.runner import RequestRunner
+from hybridlb.api.dispatch.scaling import ScaleLink
 from hybridlb.api.errors import install_error_handlers
 from hybridlb.api.guard import RequestGuard
 from hybridlb.api.openai import routes
@@ -83,18 +84,33 @@ async def _follow_coordinator(context: zmq.asyncio.Context, address: str, ctx: A
         sub.close(linger=0)
 
 
-def _connect(ctx: ApiContext, context: zmq.asyncio.Context) -> list[EngineConnection]:
-    """One connection per engine of ``ctx.spec``, started."""
+def _connector(ctx: ApiContext, context: zmq.asyncio.Context) -> Callable[[int, str], EngineConnection]:
+    """What opens (and starts) this server's connection to the engine of a rank at an address."""
     client_id = f"{ctx.spec.name}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-    connections = [EngineConnection(rank, address, f"{client_id}-{rank}", context, ctx.metrics.update_stats,
-                                    ctx.spec.cluster_token, ctx.metrics.lost_requests, ctx.config.api.engine_stall_s)
-                   for rank, address in ctx.spec.engines]
-    for connection in connections:
-        ctx.metrics.register_engine(connection.rank)
+
+    def connect(rank: int, address: str) -> EngineConnection:
+        connection = EngineConnection(rank, address, f"{client_id}-{rank}", context, ctx.metrics.update_stats,
+                                      ctx.spec.cluster_token, ctx.metrics.lost_requests, ctx.config.api.engine_stall_s)
+        ctx.metrics.register_engine(rank)
         if ctx.adapters.eager:
             connection.on_ready = lambda engine: engine.load_adapters(ctx.adapters.requests())
         connection.start()
-    return connections
+        return connection
+
+    return connect
+
+
+def _scale_link(ctx: ApiContext, connect: Callable[[int, str], EngineConnection]) -> ScaleLink | None:
+    """This server's end of the launcher's resize socket, where the launcher has one."""
+    if ctx.spec.scale_control is None:
+        return None
+    address, key = ctx.spec.scale_control
+    try:
+        return ScaleLink(address, key, ctx.pool, connect, lambda engine: ctx.metrics.engine_ready(engine.info),
+                         ctx.metrics.forget_engine)
+    except (OSError, EOFError) as exc:
+        log.warning("cannot reach the launcher's resize socket (%s): POST /scale_elastic_ep is refused", exc)
+        return None
 
 
 def create_app(config: Config, spec: ApiServerSpec, on_ready: Callable[[], None] | None = None,
@@ -113,11 +129,13 @@ def create_app(config: Config, spec: ApiServerSpec, on_ready: Callable[[], None]
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         context = zmq.asyncio.Context()
-        connections = _connect(ctx, context)
+        connect = _connector(ctx, context)
+        connections = [connect(rank, address) for rank, address in spec.engines]
         ctx.pool = EnginePool(connections, spec.policy, follows_coordinator=spec.coordinator_loads is not None,
                               one_rank_child=spec.mode == "multi_port")
         ctx.runner = RequestRunner(ctx.pool, tokenizer, metrics, config.api.request_timeout_s,
                                    config.api.migration_limit)
+        ctx.scale = _scale_link(ctx, connect)
         tasks = [asyncio.create_task(_announce_ready(connections, on_ready, metrics))]
         if spec.coordinator_loads:
             tasks.append(asyncio.create_task(lifecycle.supervised(
@@ -125,7 +143,9 @@ def create_app(config: Config, spec: ApiServerSpec, on_ready: Callable[[], None]
         yield
         for task in tasks:
             task.cancel()
-        for connection in connections:
+        if ctx.scale is not None:
+            ctx.scale.close()
+        for connection in ctx.pool.engines:
             await connection.close()
         context.destroy(linger=0)
 

@@ -24,3 +24,6 @@ class ApiServerSpec:
     # Several API server processes share the node's port: one /metrics for all of them, kept in
     # files here (whichever process answers a scrape reports the node's totals).
     metrics_dir: str | None = None
+    # The launcher's resize socket and its key (``hybridlb.launch.scaling``); None where the
+    # node cannot be resized from its API servers (``hybridlb up``).
+    scale_control: tuple[str, bytes] | None = None

@@ -10,25 +10,9 @@ The parent process (``hybridlb:serve``) lays out the cluster (``hybridlb.plan``)
 4. starts this node's API servers (none when headless) and waits until they are ready;
 5. watches its processes until SIGTERM / Ctrl-C (which stops everything).
 
-What happens when a part dies (``data_parallel.restart_policy``):
-
-* a dense engine: /health turns ``degraded`` and the API server sends new requests to
-  the node's other engines; ``restart`` starts it again at the same address and the API
-  server picks it up as soon as it says ready;
-* the coordinator: dense ranks keep serving on each API server's own view of its
-  engines; ``restart`` starts it again (it rebuilds its state from the engines within a
-  second). For MoE, waves cannot start without it: /health is 503 until it is back;
-* an API server: ``restart`` starts it again; ``none`` stops the node (exit 1), since
-  the node can no longer serve (multi-port: the other ranks can, so the node serves on and the
-  supervisor's ``/health`` fails, for the pod to be restarted);
-* a MoE engine breaks its whole expert-parallel group (the other ranks exit): with
-  ``restart`` the node exits 1 so that its supervisor (the LeaderWorkerSet) recreates
-  the group; with ``none`` it stays up reporting 503;
-* the head node (seen from another node): a dense node keeps serving its own ranks; a
-  MoE or internal-LB node stops, since it cannot work without the head.
-
-A part that dies more than ``MAX_RESTARTS`` times in ``RESTART_WINDOW_S`` is left dead
-(an API server: the node exits, but in multi-port mode), so a crash loop ends instead of spinning.
+What happens when a part dies (``data_parallel.restart_policy``; a part that dies more than
+``MAX_RESTARTS`` times in ``RESTART_WINDOW_S`` is left dead, so a crash loop ends) is
+docs/failure-model.md's table; resizing a running node is ``hybridlb.launch.scaling``.
 """
 
 from __future__ import annotations
@@ -62,6 +46,7 @@ from hybridlb.engine.spawn import (
     wait_until_ready,
 )
 from hybridlb.launch.handshake import ClusterError, HeadHandshake, NodeLink, registration
+from hybridlb.launch.scaling import MainThreadCalls, ScaleControl
 from hybridlb.launch.supervisor import Supervisor, local_url
 from hybridlb.netaddr import route_to
 from hybridlb.plan import ClusterPlan, NodePlan
@@ -95,6 +80,9 @@ class Node:
         self.api_args: list[tuple] = []
         self.restarts: dict[str, list[float]] = {}
         self.supervisor: Supervisor | None = None
+        self.scaling: ScaleControl | None = None  # resizes asked for through the API servers
+        self.main_thread = MainThreadCalls()  # what a resize starts, started by the thread that waits
+        self.shared: NodeAccepted | None = None
         self.token = cluster_token(config.data_parallel.cluster_token)
         self.started = False
         self.stopping = False
@@ -122,7 +110,7 @@ class Node:
     # -- start ------------------------------------------------------------------------
     def start(self, timeout_s: float = 600) -> None:
         self._start_supervisor()
-        shared = self._coordination()
+        self.shared = shared = self._coordination()
         threads = default_torch_threads(self.config.engine, len(self.node.ranks))
         cores = node_core_share(self.config.engine, self.runtime_dir, "cores", len(self.node.ranks))
         for rank, share in zip(self.node.ranks, cores, strict=True):
@@ -136,6 +124,8 @@ class Node:
         except EngineStartError as exc:
             raise NodeStartError(str(exc)) from None
         addresses = self._barrier({e.rank: e.address for e in self.engines}, timeout_s)
+        if self.node.api_servers:
+            self.scaling = ScaleControl(self)
         self._start_api_servers(addresses, shared.coordinator_loads, timeout_s)
         if self.supervisor is not None and not self.supervisor.wait_ready(60):
             raise NodeStartError(f"the supervisor does not see every rank up: {self.supervisor.view()['ranks']}")
@@ -234,7 +224,8 @@ class Node:
         metrics_dir = os.path.join(self.runtime_dir, "metrics") if len(ports) > len(set(ports)) else None
         for api in self.node.api_servers:
             spec = ApiServerSpec(tuple((rank, addresses[rank]) for rank in api.ranks), api.name, self.node.index,
-                                 self.plan.mode, loads, self.config.lb.policy, self.token, metrics_dir)
+                                 self.plan.mode, loads, self.config.lb.policy, self.token, metrics_dir,
+                                 (self.scaling.address, self.scaling.key) if self.scaling else None)
             ready = _spawn.Event()
             self.api_args.append((self.config, spec, api.host, api.port, ports.count(api.port) > 1))
             process = self._spawn_api(len(self.apis), ready)
@@ -290,7 +281,8 @@ class Node:
         on_death = {"engine": self._engine_died, "api": self._api_died, "coordinator": self._coordinator_died}
         handled: set = set()  # dead processes dealt with; not sentinels, whose numbers a restart reuses
         while not self.stopping:
-            watched = {e.process.sentinel: ("engine", i, e.process) for i, e in enumerate(self.engines)}
+            self.main_thread.run_pending()
+            watched = {e.process.sentinel: ("engine", e, e.process) for e in self.engines}
             watched.update({p.sentinel: ("api", i, p) for i, p in enumerate(self.apis)})
             if self.coordinator is not None:
                 watched[self.coordinator.sentinel] = ("coordinator", 0, self.coordinator)
@@ -316,8 +308,10 @@ class Node:
         self.restarts[part] = [*recent, now]
         return True
 
-    def _engine_died(self, index: int) -> bool:
-        engine = self.engines[index]
+    def _engine_died(self, engine: EngineProcess) -> bool:
+        if engine not in self.engines:  # retired by a resize (hybridlb.launch.scaling): its exit was asked for
+            return True
+        index = self.engines.index(engine)
         part, why = f"engine {engine.rank}", f"engine {engine.rank} {lifecycle.reap(engine.process)}"  # reaped now
         log.error("%s", why)
         restarting = not self.plan.lockstep and self._may_restart(part)
@@ -375,6 +369,8 @@ class Node:
 
     def stop(self) -> None:
         """SIGTERM everything at once (in-flight requests fail either way), then reap."""
+        if self.scaling is not None:
+            self.scaling.close()
         if self.supervisor is not None:
             self.supervisor.begin_shutdown()
         if self.handshake is not None:

@@ -76,3 +76,28 @@ def test_a_running_wave_is_repeated_every_second_for_ranks_that_missed_it(coordi
     coordinator.publish(time.monotonic() + 1.1)
     assert to_engine_decoder.decode(sub.recv()) == StartWave(4, -1)
     sub.close(linger=0)
+
+
+def test_a_resize_adds_ranks_without_calling_them_lost_and_forgets_the_ranks_that_left(coordinator, monkeypatch):
+    """``RankCount`` from the launcher (hybridlb.launch.scaling): a new rank has LOST_AFTER_S to
+    report, like a rank at start; a rank that left is neither in the snapshot nor lost, and its
+    late stats are dropped."""
+    from hybridlb.protocol import RankCount
+
+    clock = [1000.0]
+    monkeypatch.setattr(coordinator_module.time, "monotonic", lambda: clock[0])
+    for rank in range(3):
+        coordinator.receive(encoder.encode(_stats(rank, 1, 1)))
+    clock[0] += 60  # long after the start: a never-heard rank would be lost at once
+    for rank in range(3):
+        coordinator.receive(encoder.encode(_stats(rank, 2, 1)))
+    coordinator.receive(encoder.encode(RankCount(4)))
+    assert coordinator.size == 4 and coordinator.lost(clock[0]) == []
+    assert coordinator.lost(clock[0] + coordinator_module.LOST_AFTER_S + 1) == [0, 1, 2, 3]
+    coordinator.receive(encoder.encode(_stats(3, 1, 1, running=2)))
+    coordinator.receive(encoder.encode(RankCount(2)))
+    coordinator.receive(encoder.encode(_stats(3, 2, 1)))  # a late report of a rank that left
+    coordinator.publish(clock[0])
+    assert [stats.rank for stats in coordinator.snapshot.engines] == [0, 1] and coordinator.snapshot.lost_ranks == []
+    coordinator.receive(encoder.encode(RankCount(0)))  # nonsense: dropped
+    assert coordinator.size == 2

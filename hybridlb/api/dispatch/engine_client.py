@@ -111,6 +111,7 @@ class EngineConnection:
         self.held = HeldAdapters()  # the LoRA adapters the rank holds, as far as this server knows
         self.info: EngineReady | None = None
         self.alive = False
+        self.draining = False  # leaving the node (a resize): takes no new request
         self.stats: EngineStats | None = None
         self._epoch_heard = time.monotonic()  # when the epoch of ``stats`` last spoke (is_newer)
         self.prefix: PrefixIndex | None = None  # what this server sent that the engine may still cache
@@ -179,7 +180,8 @@ class EngineConnection:
             self._send(LoadAdapters(adapters))
 
     def _send(self, message) -> None:
-        self.socket.send(encoder.encode(message), copy=False)
+        if not self.socket.closed:  # closed: a rank retired by a resize, whose last requests moved on
+            self.socket.send(encoder.encode(message), copy=False)
 
     async def _read(self) -> None:
         while True:

@@ -15,6 +15,7 @@ show the most recent value any of them saw.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass
@@ -240,6 +241,20 @@ class Metrics:
             metric.labels(**self.labels(rank))
         for reason in ("stop", "length"):
             self.success.labels(**self.labels(rank), finished_reason=reason)
+
+    def forget_engine(self, rank: int) -> None:
+        """A rank the node shrank by: its gauges go (its counters stay, as counters do); with several
+        API servers sharing /metrics, which cannot drop a series, they read 0."""
+        for metric in (self.running, self.waiting, self.kv_usage, self.busy, self.rss, self.dummy_steps,
+                       self.collective):
+            if self.multiprocess:
+                self.of(metric, rank).set(0)
+                continue
+            with contextlib.suppress(KeyError):
+                metric.remove(self.model_name, str(rank))
+        self._series = {key: series for key, series in self._series.items() if key[1] != rank}
+        self.totals.stats.pop(rank, None)
+        self.totals.stats_at.pop(rank, None)
 
     def engine_ready(self, info: EngineReady) -> None:
         self.cache_config.labels(block_size=str(info.block_size), num_gpu_blocks=str(info.num_kv_blocks),

@@ -42,6 +42,20 @@ class EnginePool:
         self.snapshot_at = time.monotonic()  # start-up counts as a sign of life
         self._turn = itertools.count()
 
+    # -- a resize (hybridlb.launch.scaling) ------------------------------------------------
+    def add(self, engine: EngineConnection) -> None:
+        """A rank the node grew by, ready: it takes requests from now on."""
+        self.engines = sorted([*self.engines, engine], key=lambda e: e.rank)
+        self.by_rank[engine.rank] = engine
+
+    def remove(self, ranks: list[int]) -> list[EngineConnection]:
+        """Ranks the node shrank by: no request goes there any more; their connections, to close."""
+        gone = [engine for engine in self.engines if engine.rank in ranks]
+        self.engines = [engine for engine in self.engines if engine.rank not in ranks]
+        for engine in gone:
+            del self.by_rank[engine.rank]
+        return gone
+
     # -- what the engines and the coordinator say ---------------------------------------
     def on_snapshot(self, snapshot: LoadSnapshot) -> None:
         """A coordinator snapshot: keep it, and refresh any local engine it has newer stats for."""
@@ -175,9 +189,13 @@ class EnginePool:
         if (outage := self.outage()) is not None:
             raise APIError(503, outage)
         if rank is not None:
-            engine = self.by_rank[rank]
+            engine = self.by_rank.get(rank)
+            if engine is None or engine.draining:
+                raise APIError(503, f"engine {rank} is leaving this node (a resize); send the request without the "
+                                    "X-data-parallel-rank header, or to a rank that stays")
         else:
-            live = [engine for engine in self.engines if engine.alive and engine.rank not in exclude]
+            live = [engine for engine in self.engines
+                    if engine.alive and not engine.draining and engine.rank not in exclude]
             if not live:
                 raise APIError(503, "no engine is available on this node")
             if all(engine.queue_full for engine in live):

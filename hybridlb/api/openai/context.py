@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from hybridlb.api.dispatch.metrics import Metrics
     from hybridlb.api.dispatch.pool import EnginePool
     from hybridlb.api.dispatch.runner import RequestRunner
+    from hybridlb.api.dispatch.scaling import ScaleLink
     from hybridlb.api.openai.logprobs import LogprobFormatter
     from hybridlb.checkpoint.tokenizer import Tokenizer
     from hybridlb.config import Config
@@ -35,6 +36,7 @@ class ApiContext:
     adapters: AdapterRegistry
     pool: EnginePool | None = None
     runner: RequestRunner | None = None
+    scale: ScaleLink | None = None  # resizes through the launcher (a `hybridlb serve` node)
 
     @functools.cached_property
     def reasoning_start_ids(self) -> list[int]:

@@ -116,6 +116,33 @@ async def prometheus(ctx: Context):
     return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 
+async def scale_elastic_ep(request: Request, ctx: Context):
+    """vLLM's resize: ``{"new_data_parallel_size": N, "drain_timeout": S}`` (S default 120), answered
+    once the node serves on N ranks; requests keep being served meanwhile (hybridlb.launch.scaling)."""
+    try:
+        body = msgspec.json.decode(await request.body())
+    except msgspec.DecodeError:
+        return error_response(APIError(400, "the body is not JSON: send {\"new_data_parallel_size\": N}"))
+    size = body.get("new_data_parallel_size") if isinstance(body, dict) else None
+    drain = body.get("drain_timeout", 120) if isinstance(body, dict) else None
+    if type(size) is not int or size < 1:
+        return error_response(APIError(400, "new_data_parallel_size must be a positive integer, the number of ranks "
+                                            f"to serve on; got {size!r}", param="new_data_parallel_size"))
+    if type(drain) not in (int, float) or not 0 < drain <= 86400:
+        return error_response(APIError(400, "drain_timeout must be a positive number of seconds (at most a day): "
+                                            f"how long leaving ranks may finish their requests; got {drain!r}",
+                                       param="drain_timeout"))
+    if ctx.scale is None:
+        return error_response(APIError(400, "this server's node cannot be resized from its API server: resizing "
+                                            "is supported on a one-node `hybridlb serve` for now"))
+    status, message = await ctx.scale.scale(size, float(drain))
+    return JSONResponse({"message": message}) if status == 200 else error_response(APIError(status, message))
+
+
+async def is_scaling_elastic_ep(ctx: Context):
+    return {"is_scaling_elastic_ep": ctx.scale is not None and ctx.scale.scaling}
+
+
 async def version():
     return {"version": __version__}
 
@@ -134,6 +161,8 @@ ROUTES = (
     ("/load", ["GET"], load),
     ("/metrics", ["GET"], prometheus),
     ("/version", ["GET"], version),
+    ("/scale_elastic_ep", ["POST"], scale_elastic_ep),
+    ("/is_scaling_elastic_ep", ["GET", "POST"], is_scaling_elastic_ep),
 )
 
 

@@ -29,6 +29,7 @@ class FakeEngine:
 
     def __init__(self, rank: int, on_lost):
         self.rank, self.alive, self.on_lost = rank, True, on_lost
+        self.draining = False
         self.info = SimpleNamespace(dp_group=False, max_model_len=512)
         self.prefix, self.queue_full, self.score = None, False, 0
         self.streams: dict[str, asyncio.Queue] = {}
