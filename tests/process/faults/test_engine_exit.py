@@ -54,6 +54,6 @@ def _node(engines: list) -> Node:
 def test_a_killed_engine_is_named_by_its_signal_and_reaped_at_once(caplog):
     engine = _dying_engine(0)
     caplog.set_level(logging.ERROR, logger="hybridlb.serve")
-    assert _node([engine])._engine_died(0) is True  # a dense node serves on
+    assert _node([engine])._engine_died(engine) is True  # a dense node serves on
     assert [r.getMessage() for r in caplog.records] == ["engine 0 was killed by SIGKILL"]
     assert _state(engine.process.pid) is None, "the dead engine is left a zombie"
