@@ -232,6 +232,19 @@ def _check_mode(config: Config, mode: str, specs, problems: list[str]) -> None:
         _check_multi_port(config, specs, problems)
 
 
+def _check_autoscaling(config: Config, mode: str, nodes: int, lockstep: bool, problems: list[str]) -> None:
+    """Autoscaling resizes one node (``hybridlb.launch.scaling``): what it cannot resize is refused at start."""
+    scaling, size = config.autoscaling, config.data_parallel.size
+    if scaling is None:
+        return
+    if nodes > 1 or lockstep or mode in ("multi_port", "external"):
+        problems.append("autoscaling resizes a one-node `hybridlb serve` of a dense model (not several nodes, MoE "
+                        "expert parallelism or multi-port / external LB nodes); remove the autoscaling section")
+    if not scaling.min_replicas <= size <= scaling.max_replicas:
+        problems.append(f"data_parallel.size={size} is outside autoscaling's {scaling.min_replicas}.."
+                        f"{scaling.max_replicas}: start within the bounds")
+
+
 def _check_multi_port(config: Config, specs, problems: list[str]) -> None:
     """vLLM's rules for --data-parallel-multi-port-external-lb, each with its fix."""
     size = config.data_parallel.size
@@ -333,6 +346,7 @@ def plan_cluster(config: Config, is_moe: bool | None = False) -> ClusterPlan:
                         "pick a rank below the size or raise --data-parallel-size")
     _check_ranks(dp.size, specs, complete, problems)
     _check_mode(config, mode, specs, problems)
+    _check_autoscaling(config, mode, len(specs), lockstep, problems)
     nodes = []
     for index, (start, size_local, headless, address, api_port) in enumerate(specs):
         ranks = tuple(range(start, start + size_local))
@@ -344,7 +358,7 @@ def plan_cluster(config: Config, is_moe: bool | None = False) -> ClusterPlan:
         nodes.append(NodePlan(node_index, start, ranks, headless, host, servers, supervisor))
     plan = ClusterPlan(
         size=dp.size, mode=mode, head_address=dp.address, rpc_port=dp.rpc_port, nodes=tuple(nodes),
-        complete=complete, coordinator=dp.size > 1 and (lockstep or mode != "external"),
+        complete=complete, coordinator=(dp.size > 1 or bool(config.autoscaling)) and (lockstep or mode != "external"),
         remote_engines=mode == "internal" and (not complete or len(nodes) > 1), lockstep=lockstep,
     )
     _check_ports(plan, problems)

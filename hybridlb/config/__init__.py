@@ -20,7 +20,14 @@ import yaml
 from pydantic import Field, ValidationError
 
 from hybridlb.config.base import ConfigError, _Section
-from hybridlb.config.cluster import ApiConfig, DataParallelConfig, LoadBalancingConfig, NodeConfig, RayConfig
+from hybridlb.config.cluster import (
+    ApiConfig,
+    AutoscalingConfig,
+    DataParallelConfig,
+    LoadBalancingConfig,
+    NodeConfig,
+    RayConfig,
+)
 from hybridlb.config.engine import (
     MODEL_ALIASES,
     EngineConfig,
@@ -35,11 +42,11 @@ from hybridlb.config.engine import (
 from hybridlb.config.explain import problem_lines
 from hybridlb.config.lora import LoRAConfig, LoRAModuleConfig
 
-__all__ = ["MODEL_ALIASES", "ApiConfig", "Config", "ConfigError", "DataParallelConfig", "EngineConfig",
-           "KVEventsConfig", "LoRAConfig", "LoRAModuleConfig",
-           "LoadBalancingConfig", "MakeModelConfig", "NodeConfig", "RayConfig", "SimulateConfig",
-           "SpeculativeConfig", "StructuredOutputsConfig", "check_kv_cache_fits", "load_config", "model_own_name",
-           "parse_config", "read_config_file"]
+__all__ = ["MODEL_ALIASES", "ApiConfig", "AutoscalingConfig", "Config", "ConfigError", "DataParallelConfig",
+           "EngineConfig", "KVEventsConfig", "LoRAConfig", "LoRAModuleConfig", "LoadBalancingConfig",
+           "MakeModelConfig", "NodeConfig", "RayConfig", "SimulateConfig", "SpeculativeConfig",
+           "StructuredOutputsConfig", "check_kv_cache_fits", "load_config", "model_own_name", "parse_config",
+           "read_config_file"]
 
 
 class Config(_Section):
@@ -52,6 +59,8 @@ class Config(_Section):
     )
     lb: LoadBalancingConfig = Field(default_factory=LoadBalancingConfig, description="Load-balancing mode.")
     ray: RayConfig = Field(default_factory=RayConfig, description="Placement on Ray (hybridlb up).")
+    autoscaling: AutoscalingConfig | None = Field(
+        None, description="Resize a one-node `hybridlb serve` by its load (off when absent).")
 
     @property
     def served_model_names(self) -> list[str]:

@@ -174,6 +174,32 @@ class DataParallelConfig(_Section):
     )
 
 
+class AutoscalingConfig(_Section):
+    """Resize a one-node ``hybridlb serve`` by its load (``hybridlb.launch.autoscale``): the
+    launcher reads every rank's running and waiting requests from the coordinator each second
+    and moves to ``ceil(ongoing / target_ongoing_requests)`` ranks within the bounds, once that
+    has been wanted for the delay. Names as Ray Serve's ``autoscaling_config`` has them."""
+
+    min_replicas: int = Field(1, ge=1, description="Fewest ranks to shrink to.")
+    max_replicas: int = Field(1, ge=1, description="Most ranks to grow to (at most the node's CPU cores).")
+    target_ongoing_requests: float = Field(
+        8.0, gt=0, description="Running plus waiting requests per rank to aim for: more for longer grows the node, "
+        "fewer for longer shrinks it.")
+    upscale_delay_s: float = Field(30.0, ge=0, description="Seconds more ranks must be wanted before the node grows.")
+    downscale_delay_s: float = Field(
+        600.0, ge=0, description="Seconds fewer ranks must be wanted before the node shrinks.")
+    drain_timeout_s: float = Field(
+        120.0, gt=0, description="When shrinking: how long leaving ranks may finish their requests before the "
+        "rest move to the ranks that stay.")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AutoscalingConfig:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"autoscaling.min_replicas={self.min_replicas} is above max_replicas="
+                             f"{self.max_replicas}; lower the one or raise the other")
+        return self
+
+
 class LoadBalancingConfig(_Section):
     """How requests are spread over the ranks: which API servers there are, and how they pick a rank."""
 

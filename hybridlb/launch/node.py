@@ -45,6 +45,7 @@ from hybridlb.engine.spawn import (
     stop_engines,
     wait_until_ready,
 )
+from hybridlb.launch.autoscale import start_autoscaler
 from hybridlb.launch.handshake import ClusterError, HeadHandshake, NodeLink, registration
 from hybridlb.launch.scaling import MainThreadCalls, ScaleControl
 from hybridlb.launch.supervisor import Supervisor, local_url
@@ -81,6 +82,7 @@ class Node:
         self.restarts: dict[str, list[float]] = {}
         self.supervisor: Supervisor | None = None
         self.scaling: ScaleControl | None = None  # resizes asked for through the API servers
+        self.autoscaler = None  # the config's autoscaling section at work (hybridlb.launch.autoscale)
         self.main_thread = MainThreadCalls()  # what a resize starts, started by the thread that waits
         self.shared: NodeAccepted | None = None
         self.token = cluster_token(config.data_parallel.cluster_token)
@@ -126,6 +128,7 @@ class Node:
         addresses = self._barrier({e.rank: e.address for e in self.engines}, timeout_s)
         if self.node.api_servers:
             self.scaling = ScaleControl(self)
+            self.autoscaler = start_autoscaler(self.config, self.scaling, shared.coordinator_loads, self.token)
         self._start_api_servers(addresses, shared.coordinator_loads, timeout_s)
         if self.supervisor is not None and not self.supervisor.wait_ready(60):
             raise NodeStartError(f"the supervisor does not see every rank up: {self.supervisor.view()['ranks']}")
@@ -369,6 +372,8 @@ class Node:
 
     def stop(self) -> None:
         """SIGTERM everything at once (in-flight requests fail either way), then reap."""
+        if self.autoscaler is not None:
+            self.autoscaler.stop()
         if self.scaling is not None:
             self.scaling.close()
         if self.supervisor is not None:

@@ -175,7 +175,7 @@ class ScaleControl:
         if plan.multi_node:
             return ("resizing is supported on a one-node `hybridlb serve` for now; this cluster spans "
                     f"{len(plan.nodes)} nodes")
-        if plan.lockstep:
+        if plan.lockstep or self.node.config.engine.expert_parallel:
             return "resizing MoE expert parallelism is not supported yet (the experts would have to move)"
         if plan.mode == "multi_port":
             return "resizing a multi-port node is not supported yet (each rank has its own port and API server)"
@@ -185,7 +185,7 @@ class ScaleControl:
             return f"this node has {cores} CPU cores, so at most {cores} ranks (one core each); asked for {size}"
         return None
 
-    def scale(self, size: int, drain_timeout_s: float) -> str:
+    def scale(self, size: int, drain_timeout_s: float, trigger: str = "api") -> str:
         if (refusal := self.refusal(size)) is not None:
             raise ScaleError(400, refusal)
         if not self.busy.acquire(blocking=False):
@@ -199,10 +199,21 @@ class ScaleControl:
                 self._shrink(size, drain_timeout_s)
             self.size = size
             log.info("resized from %d to %d ranks", before, size)
+            if size != before:
+                self._count(trigger, "up" if size > before else "down")
             return f"Scaled to {size} data parallel engines"
         finally:
             self._state(False)
             self.busy.release()
+
+    def _count(self, trigger: str, direction: str) -> None:
+        """One API server counts the resize (several sharing /metrics would each count it)."""
+        for link in list(self.links):
+            try:
+                link.send({"op": "resized", "trigger": trigger, "direction": direction})
+                return
+            except OSError:
+                continue
 
     def _state(self, scaling: bool) -> None:
         for link in list(self.links):

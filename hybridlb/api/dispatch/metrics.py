@@ -217,6 +217,9 @@ class Metrics:
         self.quarantined = Counter("hybridlb:quarantined_requests", "Requests failed and never sent again because "
                                    "the engines they were in flight on failed twice (a request that kills "
                                    "engines).", ["model_name"], registry=r)
+        self.resizes = Counter("hybridlb:data_parallel_resizes", "Resizes of this node (elastic data parallelism), by "
+                               "what asked (api: POST /scale_elastic_ep; autoscaling) and direction (up, down).",
+                               ["model_name", "trigger", "direction"], registry=r)
         self.pinned = Counter("hybridlb:pinned_requests", "Requests pinned to this engine by X-data-parallel-rank "
                               "(a gateway choosing the rank).", labels, registry=r)
         self.wave = g("hybridlb:dp_current_wave", "MoE lockstep: the current wave.", ["model_name"])
@@ -241,6 +244,9 @@ class Metrics:
             metric.labels(**self.labels(rank))
         for reason in ("stop", "length"):
             self.success.labels(**self.labels(rank), finished_reason=reason)
+
+    def resized(self, trigger: str, direction: str) -> None:
+        self.resizes.labels(self.model_name, trigger, direction).inc()
 
     def forget_engine(self, rank: int) -> None:
         """A rank the node shrank by: its gauges go (its counters stay, as counters do); with several

@@ -28,10 +28,13 @@ DRAIN_POLL_S = 0.1
 
 class ScaleLink:
     def __init__(self, address: str, key: bytes, pool: EnginePool, connect: Callable[[int, str], EngineConnection],
-                 on_added: Callable[[EngineConnection], None], on_removed: Callable[[int], None]):
+                 on_added: Callable[[EngineConnection], None], on_removed: Callable[[int], None],
+                 on_resized: Callable[[str, str], None]):
         """``connect(rank, address)``: a started connection to a new engine; ``on_added`` /
-        ``on_removed``: what else follows a rank that came or went (metrics)."""
+        ``on_removed``: what else follows a rank that came or went; ``on_resized(trigger,
+        direction)``: a resize to count (the launcher tells one API server of the node)."""
         self.pool, self.connect, self.on_added, self.on_removed = pool, connect, on_added, on_removed
+        self.on_resized = on_resized
         self.connection = Client(address, family="AF_UNIX", authkey=key)
         self.lock = threading.Lock()
         self.loop = asyncio.get_running_loop()
@@ -61,6 +64,8 @@ class ScaleLink:
                 future.set_result((message["status"], message["message"]))
         elif op == "state":
             self.scaling = bool(message["scaling"])
+        elif op == "resized":
+            self.on_resized(str(message["trigger"]), str(message["direction"]))
         elif op in ("add", "retire"):
             task = asyncio.create_task(self._carry_out(message))
             self.tasks.add(task)

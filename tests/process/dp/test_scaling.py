@@ -61,6 +61,15 @@ def _metric(server: Server, name: str, rank: int) -> float:
     return float(found.group(1)) if found else 0.0
 
 
+def _resizes(server: Server, trigger: str) -> dict[str, float]:
+    """``hybridlb:data_parallel_resizes_total`` by direction, for one trigger."""
+    found = {}
+    for line in httpx.get(f"{server.url}/metrics").text.splitlines():
+        if line.startswith("hybridlb:data_parallel_resizes_total{") and f'trigger="{trigger}"' in line:
+            found[re.search(r'direction="(\w+)"', line).group(1)] = float(line.rsplit(" ", 1)[1])
+    return found
+
+
 def _ranks(server: Server) -> list[int]:
     return httpx.get(f"{server.url}/ranks").json()["ranks"]
 
@@ -95,6 +104,7 @@ def test_a_node_grows_and_shrinks_while_streams_run_and_no_text_changes(server):
         time.sleep(0.2)
     assert _metric(server, "vllm:num_requests_running", 1) == 0
     assert httpx.get(f"{server.url}/is_scaling_elastic_ep").json() == {"is_scaling_elastic_ep": False}
+    assert _resizes(server, "api") == {"up": 1.0, "down": 1.0}  # counted once, whichever API server took it
     assert asyncio.run(_streams(server.url, server.model)) == expected
 
 
@@ -138,5 +148,45 @@ def test_the_coordinator_follows_a_resize_and_counts_no_departed_rank_lost(tiny_
         pinned = httpx.post(f"{server.url}/v1/completions", headers={"X-data-parallel-rank": "1"}, timeout=60,
                             json={"model": server.model, "prompt": "hi", "max_tokens": 2})
         assert pinned.status_code == 200 and _metric(server, "vllm:generation_tokens_total", 1) > 0
+    finally:
+        server.stop()
+
+
+def test_autoscaling_grows_the_node_under_load_and_shrinks_it_when_the_load_is_gone(tiny_qwen3, tmp_path):
+    """The config's autoscaling section (hybridlb.launch.autoscale): 8 streams against a target of
+    2 per rank grow the node to its maximum of 2 ranks; idle, it shrinks back to 1. No stream
+    fails, and the texts equal those of a run on the shrunk node."""
+    config = tmp_path / "autoscaling.yaml"
+    config.write_text("autoscaling: {min_replicas: 1, max_replicas: 2, target_ongoing_requests: 2, "
+                      "upscale_delay_s: 0.5, downscale_delay_s: 1.5, drain_timeout_s: 5}\n")
+    (server,) = start_servers(Server(tiny_qwen3, "--config", str(config), "--max-model-len", "1024"))
+    try:
+        async def under_load() -> list[list[str]]:
+            """Rounds of the 8 streams until the node has grown (each round's texts)."""
+            rounds, grown = [], asyncio.Event()
+
+            async def load():
+                while not grown.is_set():
+                    rounds.append(await _streams(server.url, server.model))
+            streams = asyncio.create_task(load())
+            async with httpx.AsyncClient(base_url=server.url) as client:
+                deadline = time.monotonic() + 60
+                while (await client.get("/ranks")).json()["ranks"] != [0, 1]:
+                    assert time.monotonic() < deadline and not streams.done(), server.output[-3000:]
+                    await asyncio.sleep(0.1)
+            grown.set()
+            await streams
+            return rounds
+        rounds = asyncio.run(under_load())
+        texts = rounds[0]
+        assert all(found == texts for found in rounds)
+        deadline = time.monotonic() + 30
+        while _ranks(server) != [0] or "hybridlb:engine:1" in server.children():
+            assert time.monotonic() < deadline, server.output[-3000:]
+            time.sleep(0.2)
+        assert re.search(r"autoscaling: \d+ ongoing requests on 1 ranks \(target 2 per rank\) for \d+ s: resizing "
+                         r"to 2", server.output), server.output[-3000:]
+        assert _resizes(server, "autoscaling") == {"up": 1.0, "down": 1.0}
+        assert asyncio.run(_streams(server.url, server.model)) == texts
     finally:
         server.stop()
