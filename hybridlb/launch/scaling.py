@@ -197,7 +197,6 @@ class ScaleControl:
                 self._grow(size)
             elif size < before:
                 self._shrink(size, drain_timeout_s)
-            self.size = size
             log.info("resized from %d to %d ranks", before, size)
             if size != before:
                 self._count(trigger, "up" if size > before else "down")
@@ -239,6 +238,7 @@ class ScaleControl:
                 node.engine_args.pop(engine.rank, None)
             raise ScaleError(500, f"the resize to {size} ranks failed and was rolled back: {exc}") from None
         node.engines.extend(started)  # watched (and restarted by policy) from now on
+        self.size = size  # they run: a later failure leaves them in place, for the API servers to pick up
         self._tell_coordinator(size)
         added = [(engine.rank, engine.address) for engine in started]
         self._respec(lambda engines: engines + tuple(added))
@@ -256,6 +256,7 @@ class ScaleControl:
         for engine in leaving:  # no longer watched: their exit is no death to restart
             node.engines.remove(engine)
             node.engine_args.pop(engine.rank, None)
+        self.size = size
         stop_engines(leaving)
         self._tell_coordinator(size)
 

@@ -190,3 +190,33 @@ def test_autoscaling_grows_the_node_under_load_and_shrinks_it_when_the_load_is_g
         assert asyncio.run(_streams(server.url, server.model)) == texts
     finally:
         server.stop()
+
+
+def test_a_dead_rank_is_resized_away_and_growing_again_brings_a_live_one(tiny_qwen3):
+    """A resize meeting a fault: rank 1 killed (the node degraded), shrinking to 1 leaves a healthy
+    node with no lost rank; growing to 2 starts a new rank 1 that serves."""
+    import os
+    import signal
+
+    from hybridlb.coordinator import LOST_AFTER_S
+
+    (server,) = start_servers(Server(tiny_qwen3, "--data-parallel-size", "2"))
+    try:
+        os.kill(server.children()["hybridlb:engine:1"], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{server.url}/health").json().get("down_ranks") != [1]:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        answer = httpx.post(f"{server.url}/scale_elastic_ep", json={"new_data_parallel_size": 1}, timeout=300)
+        assert answer.status_code == 200, answer.text
+        time.sleep(LOST_AFTER_S + 1)
+        health, view = httpx.get(f"{server.url}/health").json(), httpx.get(f"{server.url}/ranks").json()
+        assert (health["status"], health["problems"], view["ranks"], view["lost_ranks"]) == ("ok", [], [0], [])
+        answer = httpx.post(f"{server.url}/scale_elastic_ep", json={"new_data_parallel_size": 2}, timeout=300)
+        assert answer.status_code == 200, answer.text
+        assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
+        pinned = httpx.post(f"{server.url}/v1/completions", headers={"X-data-parallel-rank": "1"}, timeout=60,
+                            json={"model": server.model, "prompt": "hi", "max_tokens": 2})
+        assert pinned.status_code == 200, pinned.text
+    finally:
+        server.stop()
