@@ -62,13 +62,15 @@ def engine_cores() -> int:
 
 
 def node_core_share(config: EngineConfig, directory: str, name: str, slots: int,
-                    pool: int | None = None) -> list[SharedCores | None]:
+                    pool: int | None = None, table: int = 0) -> list[SharedCores | None]:
     """Per local engine, the ``pool`` cores (default: ``engine_cores()``) it shares with its
     siblings (``hybridlb.engine.core_share``): none where ``torch_threads`` is set, as the
-    user then chose each engine's threads."""
+    user then chose each engine's threads. ``table``: slots to make room for beyond ``slots``
+    (a node that may grow: its new engines share the same cores)."""
     if config.torch_threads or not config.share_cores:
         return [None] * slots
-    return [shared_cores(directory, name, slot, slots, pool or engine_cores()) for slot in range(slots)]
+    size = max(slots, table)
+    return [shared_cores(directory, name, slot, size, pool or engine_cores()) for slot in range(slots)]
 
 
 def start_engine(config: EngineConfig, rank: int, address: str, torch_threads: int,

@@ -47,7 +47,7 @@ from hybridlb.engine.spawn import (
 )
 from hybridlb.launch.autoscale import start_autoscaler
 from hybridlb.launch.handshake import ClusterError, HeadHandshake, NodeLink, registration
-from hybridlb.launch.scaling import MainThreadCalls, ScaleControl
+from hybridlb.launch.scaling import MainThreadCalls, ScaleControl, growth_room
 from hybridlb.launch.supervisor import Supervisor, local_url
 from hybridlb.netaddr import route_to
 from hybridlb.plan import ClusterPlan, NodePlan
@@ -114,7 +114,8 @@ class Node:
         self._start_supervisor()
         self.shared = shared = self._coordination()
         threads = default_torch_threads(self.config.engine, len(self.node.ranks))
-        cores = node_core_share(self.config.engine, self.runtime_dir, "cores", len(self.node.ranks))
+        cores = node_core_share(self.config.engine, self.runtime_dir, "cores", len(self.node.ranks),
+                                table=growth_room(self.plan))
         for rank, share in zip(self.node.ranks, cores, strict=True):
             dp = DPContext(rank, self.plan.size, shared.coordinator_stats, shared.coordinator_waves, shared.rendezvous,
                            self.token, self.address if self.plan.lockstep else None)

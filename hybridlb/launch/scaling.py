@@ -36,14 +36,39 @@ from multiprocessing.connection import Connection, Listener
 import msgspec
 import zmq
 
+from hybridlb.engine.core_share import CoreShare, shared_cores
 from hybridlb.engine.dp_context import DPContext
-from hybridlb.engine.spawn import EngineStartError, default_torch_threads, start_engine, stop_engines, wait_until_ready
+from hybridlb.engine.spawn import (
+    EngineStartError,
+    default_torch_threads,
+    engine_cores,
+    start_engine,
+    stop_engines,
+    wait_until_ready,
+)
 from hybridlb.protocol import RankCount, encoder
 from hybridlb.transport import connect_securely
 
 log = logging.getLogger("hybridlb.serve")
 START_TIMEOUT_S = 600.0  # a new rank's start (model load) before the resize fails
 ORDER_GRACE_S = 60.0  # an API server's answer to an order, beyond its drain timeout
+
+
+def resizable(plan) -> bool:
+    """Whether a node of ``plan`` can be resized (``ScaleControl.refusal`` says why not)."""
+    return not plan.multi_node and not plan.lockstep and plan.mode != "multi_port"
+
+
+def capacity() -> int:
+    """The most ranks a node may grow to: one per CPU core."""
+    return os.cpu_count() or 1
+
+
+def growth_room(plan) -> int:
+    """Slots the node's shared-cores table keeps for ranks a resize may add (0: none): an engine
+    stepping alone takes the cores of the ranks not stepping, so a grown node splits its cores
+    among its ranks instead of oversubscribing them (``hybridlb.engine.core_share``)."""
+    return capacity() if resizable(plan) else 0
 
 
 class MainThreadCalls:
@@ -181,7 +206,7 @@ class ScaleControl:
             return "resizing a multi-port node is not supported yet (each rank has its own port and API server)"
         if size < 1:
             return f"new_data_parallel_size must be at least 1, not {size}"
-        if size > (cores := os.cpu_count() or 1):
+        if size > (cores := capacity()):
             return f"this node has {cores} CPU cores, so at most {cores} ranks (one core each); asked for {size}"
         return None
 
@@ -223,11 +248,14 @@ class ScaleControl:
         node = self.node
         threads = default_torch_threads(node.config.engine, size)
         shared = node.shared
+        config = node.config.engine
+        sharing = config.share_cores and not config.torch_threads
         for rank in range(self.size, size):
             dp = DPContext(rank, size, shared.coordinator_stats, shared.coordinator_waves, shared.rendezvous,
                            node.token, None)
-            engine = node.config.engine.for_rank(rank, None, node.config.served_model_name)
-            node.engine_args[rank] = (engine, rank, node.engine_address(rank), threads, dp, None)
+            cores = shared_cores(node.runtime_dir, "cores", rank, capacity(), engine_cores()) if sharing else None
+            engine = config.for_rank(rank, None, node.config.served_model_name)
+            node.engine_args[rank] = (engine, rank, node.engine_address(rank), threads, dp, cores)
         started = node.main_thread.call(lambda: [start_engine(*node.engine_args[r]) for r in range(self.size, size)])
         log.info("growing to %d ranks: started engines %s (%d threads each)", size, [e.rank for e in started], threads)
         try:
@@ -253,11 +281,14 @@ class ScaleControl:
         self._respec(lambda engines: tuple(e for e in engines if e[0] < size))
         self._broadcast({"op": "retire", "ranks": ranks, "drain_timeout": drain_timeout_s},
                         drain_timeout_s + ORDER_GRACE_S)
+        shares = []
         for engine in leaving:  # no longer watched: their exit is no death to restart
             node.engines.remove(engine)
-            node.engine_args.pop(engine.rank, None)
+            shares.append(node.engine_args.pop(engine.rank)[-1])
         self.size = size
         stop_engines(leaving)
+        for share in filter(None, shares):  # a killed engine may not have marked itself idle
+            CoreShare(share).close()
         self._tell_coordinator(size)
 
     def _respec(self, change) -> None:
