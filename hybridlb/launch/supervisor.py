@@ -189,6 +189,8 @@ class Supervisor:
         except (OSError, http.client.HTTPException) as exc:
             problem = f"{type(exc).__name__}: {exc}"
         log.debug("rank %d: GET %s/health: %s", child.rank, child.url, problem or "200")
+        if child.failed:  # left dead while the probe was out: its answer predates the death
+            return
         if problem is None:
             self._up(child)
             return

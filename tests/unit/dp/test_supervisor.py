@@ -141,3 +141,16 @@ def _closed_within(sock: socket.socket, timeout_s: float) -> bool:
         return True
     except TimeoutError:
         return False
+
+
+def test_a_probe_that_answered_before_its_rank_was_left_dead_does_not_bring_it_back(monkeypatch):
+    """A probe in flight when the launcher leaves the rank dead: its 200 predates the death."""
+    from hybridlb.launch import supervisor as module
+
+    node = Supervisor("127.0.0.1", 0, {0: "http://127.0.0.1:9"}, interval_s=0.05, timeout_s=0.5)
+    try:
+        monkeypatch.setattr(module, "probe_health", lambda url, timeout: (node.mark_failed(0, "engine 0 died"), 200)[1])
+        node._probe(node.children[0])
+        assert not node.children[0].healthy and node.liveness_problem()
+    finally:
+        node.stop()
