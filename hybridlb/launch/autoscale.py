@@ -55,6 +55,10 @@ class Decider:
         delay = self.config.upscale_delay_s if direction > 0 else self.config.downscale_delay_s
         return wanted if now - self.since >= delay else None
 
+    def reset(self, now: float) -> None:
+        """A resize happened: the next one waits its whole delay again."""
+        self.direction, self.since = 0, now
+
 
 class Autoscaler:
     """The launcher's thread that applies ``Decider`` to the coordinator's snapshots."""
@@ -104,7 +108,7 @@ class Autoscaler:
         except ScaleError as exc:
             log.warning("autoscaling: the resize to %d ranks did not happen: %s", target, exc)
             return
-        self.decider.direction, self.decider.since = 0, now
+        self.decider.reset(now)
 
     def stop(self) -> None:
         self.stopping.set()

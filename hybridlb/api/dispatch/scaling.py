@@ -108,9 +108,6 @@ class ScaleLink:
             if engine.streams:  # still running at the drain timeout: they go on on the ranks that stay
                 engine.fail_all(f"engine {engine.rank} is leaving the node (a resize; its drain timeout of "
                                 f"{drain_timeout_s:g} s passed)", "scale_down", logging.WARNING)
-        while any(engine.streams for engine in leaving):
-            await asyncio.sleep(DRAIN_POLL_S)
-        await asyncio.sleep(0)  # let the moved requests' runners take their new engines
         for engine in self.pool.remove(ranks):
             await engine.close()
             self.on_removed(engine.rank)
