@@ -9,6 +9,7 @@ answer; retire leaving ranks (no new requests, in-flight ones drained, the rest 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import threading
@@ -24,6 +25,7 @@ from hybridlb.api.dispatch.pool import EnginePool
 log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 120.0  # a new rank, already ready for the launcher, to answer this server too
 DRAIN_POLL_S = 0.1
+LAUNCHER_GONE = (503, "the node's launcher is not answering (it is stopping or gone); the node cannot be resized now")
 
 
 class ScaleLink:
@@ -54,7 +56,15 @@ class ScaleLink:
                 message = msgspec.json.decode(self.connection.recv_bytes())
                 self.loop.call_soon_threadsafe(self._take, message)
         except (EOFError, OSError, msgspec.DecodeError, RuntimeError):  # the launcher or this loop stopped
-            return
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits
+                self.loop.call_soon_threadsafe(self._lost)
+
+    def _lost(self) -> None:
+        """The launcher's socket closed: no answer will come for the resizes asked for."""
+        for future in self.pending.values():
+            if not future.done():
+                future.set_result(LAUNCHER_GONE)
+        self.pending.clear()
 
     def _take(self, message: dict) -> None:
         op = message.get("op")
@@ -75,7 +85,11 @@ class ScaleLink:
         """Ask the launcher to resize the node to ``size`` ranks: (HTTP status, message)."""
         request_id = next(self.ids)
         future = self.pending[request_id] = self.loop.create_future()
-        self._send({"op": "scale", "id": request_id, "size": size, "drain_timeout": drain_timeout_s})
+        try:
+            self._send({"op": "scale", "id": request_id, "size": size, "drain_timeout": drain_timeout_s})
+        except OSError:
+            self.pending.pop(request_id, None)
+            return LAUNCHER_GONE
         return await future
 
     async def _carry_out(self, order: dict) -> None:

@@ -44,3 +44,34 @@ def test_bounds_that_cross_or_a_start_outside_them_are_refused():
 def test_a_one_rank_node_that_autoscales_runs_a_coordinator():
     config = parse_config({"engine": {"model": "m"}, "autoscaling": {"max_replicas": 2}})
     assert plan_cluster(config).coordinator and not plan_cluster(parse_config({"engine": {"model": "m"}})).coordinator
+
+
+def test_a_resize_asked_of_a_launcher_that_went_away_is_a_503_not_a_hang(tmp_path):
+    """The API server's end (ScaleLink): the launcher's socket closes with a resize pending."""
+    import asyncio
+    import threading
+    from multiprocessing.connection import Listener
+    from types import SimpleNamespace
+
+    from hybridlb.api.dispatch.scaling import LAUNCHER_GONE, ScaleLink
+
+    listener = Listener(str(tmp_path / "scale.sock"), family="AF_UNIX", authkey=b"k" * 32)
+    accepted = []
+    threading.Thread(target=lambda: accepted.append(listener.accept()), daemon=True).start()
+
+    async def run():
+        link = ScaleLink(listener.address, b"k" * 32, SimpleNamespace(), None, None, None, None)
+        pending = asyncio.create_task(link.scale(2, 10))
+        while not accepted:
+            await asyncio.sleep(0.01)
+        accepted[0].recv_bytes()  # the request arrived; the launcher dies without answering
+        accepted[0].close()
+        answer = await asyncio.wait_for(pending, 10)
+        again = await link.scale(2, 10)
+        link.close()
+        return answer, again
+
+    try:
+        assert asyncio.run(run()) == (LAUNCHER_GONE, LAUNCHER_GONE)
+    finally:
+        listener.close()
