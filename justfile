@@ -12,7 +12,7 @@ setup:
 # The whole suite, as CI runs it: the unit tier first, stopping at its first failure (a few
 # minutes), then the other tiers (docs/testing.md: Tiers).
 test *args:
-    {{venv}}/pytest tests/unit -x -q {{args}}
+    {{venv}}/pytest tests/unit -x -q --timeout 90 {{args}}
     {{venv}}/pytest tests/process tests/cluster tests/real tests/gpu -q {{args}}
 
 # vLLM's engine as the ranks' engine (--engine-backend vllm): its own venv, .venv-vllm, because vLLM

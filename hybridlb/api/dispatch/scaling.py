@@ -43,6 +43,7 @@ class ScaleLink:
         self.pending: dict[int, asyncio.Future] = {}
         self.ids = itertools.count(1)
         self.scaling = False  # a resize runs on this node (whichever API server it came through)
+        self.gone = False  # the launcher's socket closed
         self.tasks: set[asyncio.Task] = set()
         threading.Thread(target=self._read, name="scale-link", daemon=True).start()
 
@@ -61,6 +62,7 @@ class ScaleLink:
 
     def _lost(self) -> None:
         """The launcher's socket closed: no answer will come for the resizes asked for."""
+        self.gone = True
         for future in self.pending.values():
             if not future.done():
                 future.set_result(LAUNCHER_GONE)
@@ -83,6 +85,8 @@ class ScaleLink:
 
     async def scale(self, size: int, drain_timeout_s: float) -> tuple[int, str]:
         """Ask the launcher to resize the node to ``size`` ranks: (HTTP status, message)."""
+        if self.gone:
+            return LAUNCHER_GONE
         request_id = next(self.ids)
         future = self.pending[request_id] = self.loop.create_future()
         try:
