@@ -8,6 +8,9 @@ import socket
 from hybridlb.netaddr import quiet_port_band
 
 _handed_out: set[int] = set()
+# Defaults a server takes without being told: torch.distributed's 29500 and vLLM's (and hybridlb's)
+# data-parallel RPC port 29550. A server given a drawn API port and the default RPC port would clash.
+_DEFAULTS = set(range(29500, 29600))
 
 
 def free_port() -> int:
@@ -27,7 +30,7 @@ def free_port_range(count: int) -> int:
     for _ in range(200):
         base = random.randrange(low, high - count)
         block = set(range(base, base + count))
-        if not block & _handed_out and all(port_is_free(port) for port in block):
+        if not block & (_handed_out | _DEFAULTS) and all(port_is_free(port) for port in block):
             _handed_out.update(block)  # not handed out twice in one run, bound or not yet
             return base
     raise RuntimeError(f"no {count} consecutive free ports in {low}..{high}")
