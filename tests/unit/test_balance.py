@@ -160,3 +160,39 @@ def test_a_prompt_cached_nowhere_goes_by_load_not_by_the_requests_it_would_stall
     # with the prompt's prefix on rank 0, recomputing it beside rank 1's four requests is priced
     cached = long_there._replace(cached_tokens=290)
     assert choose_cache_aware([cached, shorts_there], 300, start=1) == 0
+
+
+def test_a_debug_log_says_why_each_request_went_where(caplog):
+    """HYBRIDLB_LOG_LEVEL=DEBUG: one line per cache_aware decision, every rank's inputs and cost."""
+    import asyncio
+    import logging
+
+    import zmq.asyncio
+
+    from hybridlb.api.dispatch.engine_client import EngineConnection
+    from hybridlb.api.dispatch.pool import EnginePool
+    from hybridlb.params import SamplingParams
+    from hybridlb.protocol import EngineReady
+
+    async def main():
+        context = zmq.asyncio.Context()
+        connections = [EngineConnection(rank, "tcp://127.0.0.1:9", "balance-test", context) for rank in (0, 1)]
+        try:
+            for connection in connections:
+                connection.info = EngineReady(connection.rank, "m", max_model_len=512, vocab_size=8, num_kv_blocks=8,
+                                              block_size=16, eos_token_ids=[])
+                connection.alive = True
+            connections[0].add("busy", [1] * 100, SamplingParams(max_tokens=120))
+            pool = EnginePool(connections, policy="cache_aware")
+            with caplog.at_level(logging.DEBUG, logger="hybridlb.api.dispatch.pool"):
+                chosen = pool.pick(prompt_tokens=40, params=SamplingParams(max_tokens=16))
+        finally:
+            for connection in connections:
+                connection.socket.close(linger=0)
+            context.destroy(linger=0)
+        return chosen.rank
+
+    assert asyncio.run(main()) == 1
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("cache_aware:")]
+    assert line.startswith("cache_aware: 40 prompt tokens to rank 1 (rank 0: 1 requests, 100 to prefill, 0 cached")
+    assert "; rank 1: 0 requests, 0 to prefill" in line and line.count("cost ") == 2

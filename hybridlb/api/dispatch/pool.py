@@ -16,7 +16,7 @@ import logging
 import time
 
 from hybridlb.api.dispatch.admission import RETRY_AFTER_S
-from hybridlb.api.dispatch.balance import choose_cache_aware, choose_engine
+from hybridlb.api.dispatch.balance import MIN_CACHED_TOKENS, choose_cache_aware, choose_engine, serve_cost
 from hybridlb.api.dispatch.engine_client import EngineConnection, EngineUnavailable, MessageTooLarge
 from hybridlb.api.dispatch.lora import prefer_holders
 from hybridlb.api.errors import APIError
@@ -209,11 +209,22 @@ class EnginePool:
                 params = params or SamplingParams()
                 views = [e.cache_view(hashes, e.output_budget(prompt_tokens, params, resumed_tokens)) for e in live]
                 engine = live[choose_cache_aware(views, prompt_tokens, turn)]
+                if log.isEnabledFor(logging.DEBUG):  # HYBRIDLB_LOG_LEVEL=DEBUG: why each request went where
+                    _trace(engine.rank, prompt_tokens, live, views)
             else:
                 engine = live[choose_engine([e.score for e in live], turn)]
         if not engine.alive:
             raise APIError(503, f"engine {engine.rank} is not available")
         return engine
+
+
+def _trace(chosen: int, prompt_tokens: int, live: list[EngineConnection], views: list) -> None:
+    cached_somewhere = any(view.cached_tokens >= MIN_CACHED_TOKENS for view in views)
+    ranks = "; ".join(
+        f"rank {engine.rank}: {view.requests} requests, {view.prefill_tokens} to prefill, {view.cached_tokens} cached, "
+        f"pressure {view.pressure:.2f}, decode load {view.decode_load or 0:.2f}, cost "
+        f"{serve_cost(view, prompt_tokens, cached_somewhere):.0f}" for engine, view in zip(live, views, strict=True))
+    log.debug("cache_aware: %d prompt tokens to rank %d (%s)", prompt_tokens, chosen, ranks)
 
 
 def all_busy() -> APIError:
