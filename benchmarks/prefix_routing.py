@@ -31,7 +31,11 @@ many prompts or a bigger model). vLLM's space is whole GiB, so it sits that sett
 Each setting keeps its own rows in the JSON.
 
     python benchmarks/prefix_routing.py [--rounds 3] [--no-vllm] [--kv-cache-gib 0.15]
-        [--configs cache_aware,least_loaded] [--workloads system] [--out FILE]
+        [--configs cache_aware,least_loaded] [--workloads system] [--think-s 2] [--out FILE]
+
+``--think-s``: users pause between an answer and their next turn (exponential, this mean),
+holding no slot. Without it a finished turn's next one queues for a slot at once, and under
+``least_loaded`` often lands on the rank its last turn just freed: locality by itself.
 
 ``--configs`` / ``--workloads`` pick a subset (for a quick look; the report wants them all).
 """
@@ -98,13 +102,13 @@ def ideal_hit_rate(prompts: list[list[int]], block: int = 16) -> float:
     return hits / total
 
 
-def run(server: Server, workload: str, prompts) -> dict:
+def run(server: Server, workload: str, prompts, think_s: float = 0.0) -> dict:
     args = BenchArgs(base_url=server.url, model=server.model, random_output_len=OUTPUT_LEN,
                      max_concurrency=CONCURRENCY, ignore_eos=True, progress=False)
     if workload == "system":
         results, duration = asyncio.run(run_benchmark(args, prompts))
     else:
-        results, duration = asyncio.run(run_sessions(args, prompts))
+        results, duration = asyncio.run(run_sessions(args, prompts, think_s=think_s))
     s = summarize(args, results, duration)
     row = {"failed": s["failed"], "output_tok_s": s["output_throughput"], "p50_ttft_ms": s["median_ttft_ms"],
            "p99_ttft_ms": s["p99_ttft_ms"], "mean_tpot_ms": s["mean_tpot_ms"]}
@@ -146,14 +150,14 @@ def warm_up(server: Server, vocab: int) -> None:
 WORKLOADS = ("system", "multiturn")
 
 
-def measure(server: Server, vocab: int, round_seed: int, workloads=WORKLOADS) -> dict:
+def measure(server: Server, vocab: int, round_seed: int, workloads=WORKLOADS, think_s: float = 0.0) -> dict:
     rows = {}
     for workload in workloads:
         rng = random.Random(f"{workload}-{round_seed}")
         prompts = system_workload(rng, vocab) if workload == "system" else multiturn_workload(rng, vocab)
         wait_quiet([server.process.pid])
         before = cache_stats(server)
-        row = rows[workload] = delta(run(server, workload, prompts), before)
+        row = rows[workload] = delta(run(server, workload, prompts, think_s), before)
         row["ideal_hit_rate"] = ideal_hit_rate(prompts if workload == "system" else [p for c in prompts for p in c])
         print(f"  {server.name:<22} {workload:<10} {row['output_tok_s']:>6.0f} tok/s  "
               f"TTFT P50 {row['p50_ttft_ms']:>6.0f}"
@@ -173,6 +177,8 @@ def main() -> None:
     parser.add_argument("--kv-cache-gib", type=float, default=1.0, help="each hybridlb engine's KV cache")
     parser.add_argument("--configs", default=",".join(HYBRIDLB), help="hybridlb configurations to run")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="workloads to run")
+    parser.add_argument("--think-s", type=float, default=0.0,
+                        help="multiturn: a user's mean pause between an answer and the next turn (exponential)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/prefix_routing.json"))
     args = parser.parse_args()
     model = smollm2_hf_dir(args.models_dir)
@@ -198,14 +204,17 @@ def main() -> None:
             try:
                 print(f"{name} ready in {server.wait_ready():.0f} s", flush=True)
                 warm_up(server, vocab)
-                for workload, row in measure(server, vocab, round_index, workloads).items():
+                for workload, row in measure(server, vocab, round_index, workloads, args.think_s).items():
                     raw[name][workload].append(row)
             finally:
                 server.stop()
     table = summarize_rounds(raw)
     print_table(table)
-    setting = f"KV cache {args.kv_cache_gib:g} GiB per engine" + ("" if args.dtype == "bfloat16" else f", {args.dtype}")
-    meta = stamp(rounds=args.rounds, concurrency=CONCURRENCY, kv_cache_gib=args.kv_cache_gib, dtype=args.dtype)
+    setting = (f"KV cache {args.kv_cache_gib:g} GiB per engine"
+               + ("" if args.dtype == "bfloat16" else f", {args.dtype}")
+               + (f", think {args.think_s:g} s" if args.think_s else ""))
+    meta = stamp(rounds=args.rounds, concurrency=CONCURRENCY, kv_cache_gib=args.kv_cache_gib, dtype=args.dtype,
+                 think_s=args.think_s)
     previous = previous_results(args.out)  # other settings' rows stay, each with the stamp that made it
     report = {"meta": meta,  # the latest run's; each setting keeps its own
               "settings": {**previous.get("settings", {}), setting: {"meta": meta, "results": table, "raw": raw}}}

@@ -163,11 +163,14 @@ async def run_benchmark(args: BenchArgs, prompts: list, urls: list[str] | None =
 
 
 async def run_sessions(args: BenchArgs, sessions: list[list], url: str | None = None,
-                       max_tokens: int | None = None) -> tuple[list[RequestResult], float]:
+                       max_tokens: int | None = None, think_s: float = 0.0,
+                       seed: int = 0) -> tuple[list[RequestResult], float]:
     """Multi-turn: each session sends its prompts in order, the next once the previous
     finished; up to ``max_concurrency`` requests at once. A turn takes a slot only while
     it runs, so with more sessions than slots their turns interleave as many users' do
-    (each waits for a slot like a user thinking), instead of each chat owning a slot."""
+    (each waits for a slot like a user thinking), instead of each chat owning a slot.
+    ``think_s``: a user's mean pause between reading an answer and sending the next turn
+    (exponential, drawn from ``seed``), holding no slot meanwhile."""
     url = url or args.base_url
     limit = args.max_concurrency or len(sessions)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -178,8 +181,15 @@ async def run_sessions(args: BenchArgs, sessions: list[list], url: str | None = 
         async with semaphore:
             return await _one(client, args, prompt, start, url, max_tokens or args.random_output_len)
 
+    pauses = random.Random(seed)
+
     async def session(prompts: list) -> list[RequestResult]:
-        return [await turn(prompt) for prompt in prompts]
+        results = []
+        for index, prompt in enumerate(prompts):
+            if index and think_s > 0:
+                await asyncio.sleep(pauses.expovariate(1 / think_s))
+            results.append(await turn(prompt))
+        return results
 
     async with httpx.AsyncClient(headers=headers, limits=limits, timeout=httpx.Timeout(None, connect=30)) as client:
         start = time.perf_counter()

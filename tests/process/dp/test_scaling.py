@@ -220,3 +220,33 @@ def test_a_dead_rank_is_resized_away_and_growing_again_brings_a_live_one(tiny_qw
         assert pinned.status_code == 200, pinned.text
     finally:
         server.stop()
+
+
+def test_a_rank_that_cannot_start_rolls_the_resize_back_and_the_node_serves_on(tiny_qwen3, tmp_path):
+    """A resize meeting a fault on the way up: the new rank's engine fails to load its weights (the
+    checkpoint broke after the start). The answer is a 500 saying it was rolled back; the node keeps
+    its one rank, healthy, serving, with no process of the failed rank left; once the checkpoint is
+    whole again, growing works."""
+    import shutil
+
+    model = shutil.copytree(tiny_qwen3, tmp_path / "model")
+    weights = next(model.glob("*.safetensors"))
+    (server,) = start_servers(Server(str(model), "--max-model-len", "1024"))
+    try:
+        weights.rename(weights.with_suffix(".kept"))  # engine 0's open file stays whole
+        weights.write_bytes(b"not a safetensors file")
+        answer = httpx.post(f"{server.url}/scale_elastic_ep", json={"new_data_parallel_size": 2}, timeout=300)
+        assert answer.status_code == 500 and "rolled back" in answer.json()["error"]["message"], answer.text
+        health = httpx.get(f"{server.url}/health").json()
+        assert (health["status"], _ranks(server)) == ("ok", [0]), health
+        assert httpx.get(f"{server.url}/is_scaling_elastic_ep").json() == {"is_scaling_elastic_ep": False}
+        assert "hybridlb:engine:1" not in server.children()
+        done = httpx.post(f"{server.url}/v1/completions", json={"model": server.model, "prompt": "hi", "max_tokens": 2},
+                          timeout=60)
+        assert done.status_code == 200, done.text
+        weights.with_suffix(".kept").replace(weights)
+        answer = httpx.post(f"{server.url}/scale_elastic_ep", json={"new_data_parallel_size": 2}, timeout=300)
+        assert answer.status_code == 200, answer.text
+        assert _ranks(server) == [0, 1]
+    finally:
+        server.stop()
