@@ -25,5 +25,5 @@ class ApiServerSpec:
     # files here (whichever process answers a scrape reports the node's totals).
     metrics_dir: str | None = None
     # The launcher's resize socket and its key (``hybridlb.launch.scaling``); None where the
-    # node cannot be resized from its API servers (``hybridlb up``).
+    # node cannot be resized (several nodes, MoE, multi-port).
     scale_control: tuple[str, bytes] | None = None

@@ -12,7 +12,7 @@ import typer
 
 from hybridlb.cli import vllm_args
 from hybridlb.cli.bench import bench_app
-from hybridlb.cli.cluster import down, status, up
+from hybridlb.cli.cluster import down, scale, status, up
 from hybridlb.cli.model import generate, make_model_command
 from hybridlb.cli.problems import Refusal
 from hybridlb.cli.render import render_app
@@ -27,6 +27,7 @@ app.command(help=SERVE_HELP, short_help="Serve this node, no Ray (vLLM's flags w
 app.command(short_help="Print the rank map, or every problem with its fix.")(plan)
 app.command(short_help="Place the cluster on Ray and serve until Ctrl-C.")(up)
 app.command(short_help="A cluster's actors (NAME) or one server's view (--url).")(status)
+app.command(short_help="Resize a running one-node cluster (its ranks).")(scale)
 app.command(short_help="Stop a cluster started with `up --detach`.")(down)
 app.add_typer(bench_app, name="bench", short_help="Benchmark a running server.")
 app.add_typer(render_app, name="render", short_help="Render the cluster for Kubernetes.")

@@ -1,4 +1,4 @@
-"""``hybridlb up / status / down``: a cluster placed on Ray (``hybridlb.launch.ray_driver``, ``ray_admin``)."""
+"""``hybridlb up / status / scale / down``: a cluster placed on Ray (``hybridlb.launch.ray_driver``, ``ray_admin``)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ def up(
         cfg = build_config(config, overrides(flags, problems), problems)
         plan, _ = check_start(cfg, problems, cluster=True) if cfg is not None else (None, None)
         if cfg is not None and cfg.autoscaling is not None:
-            problems.add("autoscaling resizes a `hybridlb serve` node; `hybridlb up` cannot resize its cluster yet: "
+            problems.add("autoscaling resizes a `hybridlb serve` node; `hybridlb up` resizes on request only "
+                         "(`hybridlb scale`, POST /scale_elastic_ep): "
                          "remove the autoscaling section, or serve the node with `hybridlb serve --config`")
         problems.raise_any()  # every problem of the config, as `serve` lists them
         from hybridlb.launch.ray_driver import up as ray_up  # Ray is imported once the checks passed
@@ -86,3 +87,23 @@ def down(
         fail(str(exc))
     if missing:
         fail(f"no cluster named {name!r} in namespace {namespace!r}")
+
+
+def scale(
+    name: Annotated[str, typer.Argument(help="Cluster name given to `hybridlb up`.")] = "default",
+    data_parallel_size: Annotated[int, typer.Option("--data-parallel-size", "-dp",
+                                                    help="The cluster's new number of ranks.")] = ...,
+    drain_timeout: Annotated[float, typer.Option(
+        help="Shrinking: seconds a leaving rank's requests may run before they move to the ranks that stay.")] = 120.0,
+    address: Annotated[str | None, typer.Option(help="Ray cluster address (default: auto).")] = None,
+    namespace: Annotated[str, typer.Option()] = "hybridlb",
+):
+    """Resize a running one-node cluster (a dense model): new ranks start and warm up before they
+    take traffic; leaving ranks drain, then what still runs moves on. Same as POST /scale_elastic_ep."""
+    from hybridlb.launch.ray_scaling import scale as ray_scale
+    from hybridlb.launch.ray_session import UpError
+
+    try:
+        print(ray_scale(name, data_parallel_size, drain_timeout, address, namespace))
+    except UpError as exc:
+        fail(str(exc))

@@ -47,7 +47,7 @@ from hybridlb.engine.spawn import (
 )
 from hybridlb.launch.autoscale import start_autoscaler
 from hybridlb.launch.handshake import ClusterError, HeadHandshake, NodeLink, registration
-from hybridlb.launch.scaling import MainThreadCalls, ScaleControl, growth_room
+from hybridlb.launch.scaling import MainThreadCalls, ProcessRanks, ScaleControl, growth_room
 from hybridlb.launch.supervisor import Supervisor, local_url
 from hybridlb.netaddr import route_to
 from hybridlb.plan import ClusterPlan, NodePlan
@@ -128,7 +128,7 @@ class Node:
             raise NodeStartError(str(exc)) from None
         addresses = self._barrier({e.rank: e.address for e in self.engines}, timeout_s)
         if self.node.api_servers:
-            self.scaling = ScaleControl(self)
+            self.scaling = ScaleControl(ProcessRanks(self), self.runtime_dir)
             self.autoscaler = start_autoscaler(self.config, self.scaling, shared.coordinator_loads, self.token)
         self._start_api_servers(addresses, shared.coordinator_loads, timeout_s)
         if self.supervisor is not None and not self.supervisor.wait_ready(60):

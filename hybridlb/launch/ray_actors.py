@@ -32,7 +32,7 @@ def _runtime_path(cluster: str) -> str:
     return os.path.join(lifecycle.socket_tmpdir(), f"hybridlb-ray-{cluster}")
 
 
-def _runtime_dir(cluster: str) -> str:
+def runtime_dir(cluster: str) -> str:
     """This machine's private directory (0700) of cluster ``cluster``: engine sockets, metrics files."""
     from hybridlb import lifecycle
 
@@ -142,10 +142,10 @@ class EngineActor(_ThreadedActor):
 
         prepare_process(config, threads)
         if cores is not None:
-            cores = dataclasses.replace(cores, path=os.path.join(_runtime_dir(cluster), cores.path))
+            cores = dataclasses.replace(cores, path=os.path.join(runtime_dir(cluster), cores.path))
         self.rank, self.node, self.cluster = dp.rank, node, cluster
         address = (f"tcp://{host or _node_ip()}:{port}" if port
-                   else f"ipc://{_runtime_dir(cluster)}/engine-{dp.rank}")
+                   else f"ipc://{runtime_dir(cluster)}/engine-{dp.rank}")
         self.shell = EngineShell(make_core(config, dp), address, cores)  # engine.simulate: no model
         self._run(self.shell, self._serve, "engine")
 
@@ -176,7 +176,7 @@ class ApiServerActor(_ThreadedActor):
         from hybridlb.api.http_server import listen, make_server, use_shared_metrics
 
         if shared_port:  # one /metrics for the node's API servers, whichever answers (as in serve)
-            metrics_dir = os.path.join(_runtime_dir(cluster), f"metrics-node{spec.node}")
+            metrics_dir = os.path.join(runtime_dir(cluster), f"metrics-node{spec.node}")
             spec = dataclasses.replace(spec, metrics_dir=metrics_dir)
         use_shared_metrics(spec.metrics_dir)
         from hybridlb.api.app import create_app

@@ -37,6 +37,7 @@ from hybridlb.launch.ray_actors import (
     free_ports,
 )
 from hybridlb.launch.ray_admin import down, named
+from hybridlb.launch.ray_scaling import ScalerActor
 from hybridlb.launch.ray_session import (
     UpError,
     actor_name,
@@ -46,6 +47,7 @@ from hybridlb.launch.ray_session import (
     shutdown_private,
     wait_for,
 )
+from hybridlb.launch.scaling import resizable
 from hybridlb.launch.supervisor import local_url
 from hybridlb.plan import ClusterPlan, NodePlan
 from hybridlb.transport import cluster_token
@@ -141,7 +143,8 @@ class RayCluster:
         self._start_engines(shared)
         addresses = dict(zip(self.engines, wait_for([e.address.remote() for e in self.engines.values()],
                                                     timeout, self.check), strict=True))
-        self._start_api_servers(addresses, shared.get("loads"))
+        scale_control = self._start_scaler(shared, addresses)
+        self._start_api_servers(addresses, shared.get("loads"), scale_control)
         self._start_supervisors()
         ready = wait_for([api.wait_ready.remote(timeout) for _, api in self.apis], timeout + 10, self.check)
         if not all(ready):
@@ -178,12 +181,23 @@ class RayCluster:
                 self.engines[rank] = EngineActor.options(**options).remote(self.name, engine, dp, node.index, port,
                                                                       threads, self.host, share)
 
-    def _start_api_servers(self, addresses: dict[int, str], loads: str | None) -> None:
+    def _start_scaler(self, shared: dict, addresses: dict[int, str]) -> tuple[str, bytes] | None:
+        """A one-node dense cluster: the actor that resizes it (``launch.ray_scaling``); its socket."""
+        if not resizable(self.plan):
+            return None
+        options = self._options("scaler", None, 0, num_cpus=0)
+        scaler = ScalerActor.options(**options).remote(self.name, self.config, self.plan, shared, self.token, self.host,
+                                                       self.detached, self.restarts, sorted(addresses.items()))
+        return tuple(wait_for(scaler.socket.remote(), 60, self.check))
+
+    def _start_api_servers(self, addresses: dict[int, str], loads: str | None,
+                           scale_control: tuple[str, bytes] | None = None) -> None:
         for node in self.plan.nodes:
             ports = [a.port for a in node.api_servers]
             for api in node.api_servers:
                 spec = ApiServerSpec(tuple((r, addresses[r]) for r in api.ranks), api.name, node.index,
-                                     self.plan.mode, loads, self.config.lb.policy, self.token)
+                                     self.plan.mode, loads, self.config.lb.policy, self.token,
+                                     scale_control=scale_control)
                 options = self._options("api", api.name.split(":", 1)[1], node.index,
                                         num_cpus=self.config.ray.cpus_per_api_server,
                                         max_restarts=self.api_restarts)

@@ -122,16 +122,16 @@ class _Link:
 class ScaleControl:
     """The launcher's end: takes scale requests from the node's API servers and carries them out."""
 
-    def __init__(self, node):
-        """``node``: the ``hybridlb.launch.node.Node`` it resizes (its engines, API servers' specs,
-        coordinator and main thread)."""
-        self.node = node
-        self.address = os.path.join(node.runtime_dir, "scale.sock")
+    def __init__(self, ranks, runtime_dir: str):
+        """``ranks``: what starts and stops the node's engines (``ProcessRanks`` for ``serve``,
+        ``hybridlb.launch.ray_scaling.RayRanks`` for ``up``); the socket goes in ``runtime_dir``."""
+        self.ranks = ranks
+        self.address = os.path.join(runtime_dir, "scale.sock")
         self.key = secrets.token_bytes(32)
         self.listener = Listener(self.address, family="AF_UNIX", authkey=self.key)
         self.links: list[_Link] = []
         self.busy = threading.Lock()
-        self.size = len(node.engines)
+        self.size = ranks.count()
         self.orders = 0
         threading.Thread(target=self._accept, name="scale-control", daemon=True).start()
 
@@ -147,6 +147,8 @@ class ScaleControl:
                 continue
             link = _Link(connection)
             self.links.append(link)
+            with contextlib.suppress(OSError):  # one restarted with the engines it first had catches up
+                link.send({"op": "sync", "engines": self.ranks.current()})
             threading.Thread(target=self._read, args=(link,), name="scale-link", daemon=True).start()
 
     def _read(self, link: _Link) -> None:
@@ -196,18 +198,18 @@ class ScaleControl:
 
     # -- the resize ---------------------------------------------------------------------------
     def refusal(self, size: int) -> str | None:
-        plan = self.node.plan
+        plan = self.ranks.plan
         if plan.multi_node:
-            return ("resizing is supported on a one-node `hybridlb serve` for now; this cluster spans "
+            return ("resizing is supported on one-node clusters for now; this cluster spans "
                     f"{len(plan.nodes)} nodes")
-        if plan.lockstep or self.node.config.engine.expert_parallel:
+        if plan.lockstep or self.ranks.config.engine.expert_parallel:
             return "resizing MoE expert parallelism is not supported yet (the experts would have to move)"
         if plan.mode == "multi_port":
             return "resizing a multi-port node is not supported yet (each rank has its own port and API server)"
         if size < 1:
             return f"new_data_parallel_size must be at least 1, not {size}"
-        if size > (cores := capacity()):
-            return f"this node has {cores} CPU cores, so at most {cores} ranks (one core each); asked for {size}"
+        if size > (room := self.ranks.capacity()):
+            return f"this node has room for at most {room} ranks ({self.ranks.room_unit}); asked for {size}"
         return None
 
     def scale(self, size: int, drain_timeout_s: float, trigger: str = "api") -> str:
@@ -245,18 +247,61 @@ class ScaleControl:
                 link.send({"op": "state", "scaling": scaling})
 
     def _grow(self, size: int) -> None:
+        added = self.ranks.start(range(self.size, size), size)  # ScaleError after rolling back
+        self.size = size  # they run: a later failure leaves them in place, for the API servers to pick up
+        self.ranks.tell_coordinator(size)
+        self.ranks.respec(lambda engines: engines + tuple(added))
+        self._broadcast({"op": "add", "engines": added}, START_TIMEOUT_S)
+
+    def _shrink(self, size: int, drain_timeout_s: float) -> None:
+        ranks = list(range(size, self.size))
+        log.info("shrinking to %d ranks: draining ranks %s (up to %.0f s, then moving what runs)", size, ranks,
+                 drain_timeout_s)
+        self.ranks.respec(lambda engines: tuple(e for e in engines if e[0] < size))
+        self._broadcast({"op": "retire", "ranks": ranks, "drain_timeout": drain_timeout_s},
+                        drain_timeout_s + ORDER_GRACE_S)
+        self.size = size
+        self.ranks.stop(ranks)
+        self.ranks.tell_coordinator(size)
+
+    def close(self) -> None:
+        self.listener.close()
+        for link in list(self.links):
+            link.connection.close()
+
+
+class ProcessRanks:
+    """The ranks of a ``hybridlb serve`` node (``hybridlb.launch.node.Node``): engine processes the
+    launcher starts (on its main thread) and stops, the API servers' specs it restarts them with,
+    and the coordinator it starts again with the current size."""
+
+    room_unit = "one CPU core each"
+
+    def __init__(self, node):
+        self.node = node
+        self.plan, self.config = node.plan, node.config
+
+    def count(self) -> int:
+        return len(self.node.engines)
+
+    def capacity(self) -> int:
+        return capacity()
+
+    def start(self, ranks: range, size: int) -> list[tuple[int, str]]:
+        """Start the engines of ``ranks`` in a cluster of ``size``: their (rank, address) once ready;
+        ScaleError (none left running) where one cannot start."""
         node = self.node
         threads = default_torch_threads(node.config.engine, size)
         shared = node.shared
         config = node.config.engine
         sharing = config.share_cores and not config.torch_threads
-        for rank in range(self.size, size):
+        for rank in ranks:
             dp = DPContext(rank, size, shared.coordinator_stats, shared.coordinator_waves, shared.rendezvous,
                            node.token, None)
             cores = shared_cores(node.runtime_dir, "cores", rank, capacity(), engine_cores()) if sharing else None
             engine = config.for_rank(rank, None, node.config.served_model_name)
             node.engine_args[rank] = (engine, rank, node.engine_address(rank), threads, dp, cores)
-        started = node.main_thread.call(lambda: [start_engine(*node.engine_args[r]) for r in range(self.size, size)])
+        started = node.main_thread.call(lambda: [start_engine(*node.engine_args[r]) for r in ranks])
         log.info("growing to %d ranks: started engines %s (%d threads each)", size, [e.rank for e in started], threads)
         try:
             wait_until_ready(started, START_TIMEOUT_S, node.token)
@@ -266,50 +311,42 @@ class ScaleControl:
                 node.engine_args.pop(engine.rank, None)
             raise ScaleError(500, f"the resize to {size} ranks failed and was rolled back: {exc}") from None
         node.engines.extend(started)  # watched (and restarted by policy) from now on
-        self.size = size  # they run: a later failure leaves them in place, for the API servers to pick up
-        self._tell_coordinator(size)
-        added = [(engine.rank, engine.address) for engine in started]
-        self._respec(lambda engines: engines + tuple(added))
-        self._broadcast({"op": "add", "engines": added}, START_TIMEOUT_S)
+        return [(engine.rank, engine.address) for engine in started]
 
-    def _shrink(self, size: int, drain_timeout_s: float) -> None:
+    def stop(self, ranks: list[int]) -> None:
         node = self.node
-        leaving = [engine for engine in node.engines if engine.rank >= size]
-        ranks = [engine.rank for engine in leaving]
-        log.info("shrinking to %d ranks: draining ranks %s (up to %.0f s, then moving what runs)", size, ranks,
-                 drain_timeout_s)
-        self._respec(lambda engines: tuple(e for e in engines if e[0] < size))
-        self._broadcast({"op": "retire", "ranks": ranks, "drain_timeout": drain_timeout_s},
-                        drain_timeout_s + ORDER_GRACE_S)
+        leaving = [engine for engine in node.engines if engine.rank in ranks]
         shares = []
         for engine in leaving:  # no longer watched: their exit is no death to restart
             node.engines.remove(engine)
             shares.append(node.engine_args.pop(engine.rank)[-1])
-        self.size = size
         stop_engines(leaving)
         for share in filter(None, shares):  # a killed engine may not have marked itself idle
             CoreShare(share).close()
-        self._tell_coordinator(size)
 
-    def _respec(self, change) -> None:
+    def current(self) -> list[tuple[int, str]]:
+        """The engines the node's API servers front now."""
+        return list(self.node.api_args[0][1].engines) if self.node.api_args else []
+
+    def respec(self, change) -> None:
         """What a restarted API server gets: the node's engines after the resize."""
         node = self.node
         for index, (config, spec, *rest) in enumerate(node.api_args):
             node.api_args[index] = (config, dataclasses.replace(spec, engines=change(spec.engines)), *rest)
 
-    def _tell_coordinator(self, size: int) -> None:
+    def tell_coordinator(self, size: int) -> None:
         node = self.node
         if node.coordinator_args:
             stats_address, loads, _, waves, token = node.coordinator_args
             node.coordinator_args = (stats_address, loads, size, waves, token)  # a restarted one starts so
-            context = zmq.Context.instance()
-            sock = context.socket(zmq.PUSH)
-            connect_securely(sock, stats_address, token)
-            sock.connect(stats_address)
-            sock.send(encoder.encode(RankCount(size)))
-            sock.close(linger=2000)
+            send_rank_count(stats_address, token, size)
 
-    def close(self) -> None:
-        self.listener.close()
-        for link in list(self.links):
-            link.connection.close()
+
+def send_rank_count(stats_address: str, token: str | None, size: int) -> None:
+    """Tell the coordinator listening at ``stats_address`` that the cluster now has ``size`` ranks."""
+    context = zmq.Context.instance()
+    sock = context.socket(zmq.PUSH)
+    connect_securely(sock, stats_address, token)
+    sock.connect(stats_address)
+    sock.send(encoder.encode(RankCount(size)))
+    sock.close(linger=2000)

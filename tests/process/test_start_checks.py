@@ -162,9 +162,9 @@ def test_a_config_with_several_errors_lists_them_all_in_serve_and_up(tmp_path, t
 
 
 def test_up_refuses_an_autoscaling_section_it_would_ignore(tmp_path, tiny_qwen3):
-    """`hybridlb up` cannot resize its cluster yet: an autoscaling section is an error, not ignored."""
+    """`hybridlb up` resizes only on request: an autoscaling section is an error, not ignored."""
     config = _write(tmp_path, {"engine": {"model": tiny_qwen3}, "api": {"port": free_port()},
                                "autoscaling": {"max_replicas": 2}})
     assert _error_lines(_hybridlb("up", config)) == [
-        "error: autoscaling resizes a `hybridlb serve` node; `hybridlb up` cannot resize its cluster yet: remove the "
-        "autoscaling section, or serve the node with `hybridlb serve --config`"]
+        "error: autoscaling resizes a `hybridlb serve` node; `hybridlb up` resizes on request only (`hybridlb scale`, "
+        "POST /scale_elastic_ep): remove the autoscaling section, or serve the node with `hybridlb serve --config`"]

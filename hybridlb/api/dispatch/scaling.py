@@ -78,6 +78,10 @@ class ScaleLink:
             self.scaling = bool(message["scaling"])
         elif op == "resized":
             self.on_resized(str(message["trigger"]), str(message["direction"]))
+        elif op == "sync":
+            task = asyncio.create_task(self._sync({int(rank): str(address) for rank, address in message["engines"]}))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
         elif op in ("add", "retire"):
             task = asyncio.create_task(self._carry_out(message))
             self.tasks.add(task)
@@ -114,6 +118,20 @@ class ScaleLink:
             self.on_added(connection)
         log.info("ranks %s joined this server's engines (now %s)", [c.rank for c in connections],
                  [e.rank for e in self.pool.engines])
+
+    async def _sync(self, wanted: dict[int, str]) -> None:
+        """The launcher's rank set when this server connected: a server restarted with the engines
+        it first had (Ray restarts an actor with its first arguments) drops ranks that left and
+        connects to ranks that came since."""
+        try:
+            gone = [rank for rank in self.pool.by_rank if rank not in wanted]
+            for engine in self.pool.remove(gone):
+                await engine.close()
+                self.on_removed(engine.rank)
+            if missing := [(rank, address) for rank, address in wanted.items() if rank not in self.pool.by_rank]:
+                await self._add(missing)
+        except Exception:
+            log.exception("could not take the node's current ranks")
 
     async def _retire(self, ranks: list[int], drain_timeout_s: float) -> None:
         leaving = [self.pool.by_rank[rank] for rank in ranks if rank in self.pool.by_rank]

@@ -134,7 +134,8 @@ async def scale_elastic_ep(request: Request, ctx: Context):
                                        param="drain_timeout"))
     if ctx.scale is None:
         return error_response(APIError(400, "this server's node cannot be resized from its API server: resizing "
-                                            "is supported on a one-node `hybridlb serve` for now"))
+                                            "is supported on one-node clusters of a dense model (`hybridlb serve` "
+                                            "or `hybridlb up`)"))
     status, message = await ctx.scale.scale(size, float(drain))
     return JSONResponse({"message": message}) if status == 200 else error_response(APIError(status, message))
 

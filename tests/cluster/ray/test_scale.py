@@ -1,0 +1,73 @@
+"""Resizing a cluster `hybridlb up` placed on Ray (``hybridlb.launch.ray_scaling``): one node of a
+dense model grows through vLLM's ``POST /scale_elastic_ep`` and shrinks through ``hybridlb
+scale``; the new rank is an engine actor that serves, a restarted API server catches up with
+the current ranks, the leaving rank's actor is gone, and `down` leaves nothing behind."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+import ray
+
+from hybridlb.launch.ray_scaling import scale
+from hybridlb.launch.ray_session import UpError
+from hybridlb.testing.ports import free_port
+from tests.cluster.ray.conftest import NODE_RESOURCES
+from tests.cluster.ray.test_up import start
+
+
+def _ranks(url: str) -> list[int]:
+    return httpx.get(f"{url}/ranks", timeout=10).json()["ranks"]
+
+
+def _pinned(url: str, rank: int) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", headers={"X-data-parallel-rank": str(rank)}, timeout=60,
+                      json={"model": "m", "prompt": "hi", "max_tokens": 2})
+
+
+def _actors(name: str) -> list[str]:
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a["name"].startswith(f"hybridlb:{name}:"))
+
+
+def test_a_one_node_cluster_grows_shrinks_and_a_restarted_api_server_catches_up(ray_cluster, tiny_qwen3):
+    cluster = start({
+        "engine": {"model": tiny_qwen3, "max_model_len": 512, "kv_cache_gib": 0.05, "torch_threads": 1},
+        "api": {"served_model_name": "m"},
+        "data_parallel": {"size": 1, "restart_policy": "restart", "nodes": [
+            {"size_local": 1, "api_port": free_port(), "ray_resource": NODE_RESOURCES[0]}]},
+        "ray": {"name": "elastic", "cpus_per_engine": 1, "cpus_per_api_server": 1, "ready_timeout_s": 120},
+    })
+    try:
+        ((_, api),) = cluster.apis
+        url = ray.get(api.url.remote())
+        grown = httpx.post(f"{url}/scale_elastic_ep", json={"new_data_parallel_size": 2}, timeout=300)
+        assert grown.status_code == 200, grown.text
+        assert _ranks(url) == [0, 1]
+        assert _pinned(url, 1).status_code == 200
+        assert "hybridlb:elastic:engine:1" in _actors("elastic")
+
+        ray.kill(api, no_restart=False)  # Ray starts it again with the engines it first had: rank 0 alone
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if _ranks(url) == [0, 1] and _pinned(url, 1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the restarted API server never took rank 1 again"
+            time.sleep(0.5)
+
+        with pytest.raises(UpError, match="room for at most"):
+            scale("elastic", 1000, 5, None, "hybridlb")
+        assert scale("elastic", 1, 5, None, "hybridlb") == "Scaled to 1 data parallel engines"
+        assert _ranks(url) == [0]
+        assert "hybridlb:elastic:engine:1" not in _actors("elastic")
+        assert _pinned(url, 0).status_code == 200
+        with pytest.raises(UpError, match="no resizable cluster named 'absent'"):
+            scale("absent", 2, 5, None, "hybridlb")
+    finally:
+        cluster.stop()
+    assert _actors("elastic") == []
