@@ -109,7 +109,8 @@ def _scale_link(ctx: ApiContext, connect: Callable[[int, str], EngineConnection]
         return ScaleLink(address, key, ctx.pool, connect, lambda engine: ctx.metrics.engine_ready(engine.info),
                          ctx.metrics.forget_engine, ctx.metrics.resized)
     except (OSError, EOFError) as exc:
-        log.warning("cannot reach the launcher's resize socket (%s): POST /scale_elastic_ep is refused", exc)
+        log.warning("cannot reach the launcher's resize socket %s (%s): POST /scale_elastic_ep is refused", address,
+                    exc)
         return None
 
 

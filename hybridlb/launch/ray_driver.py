@@ -128,6 +128,7 @@ class RayCluster:
         self.restarts = -1 if restart or (multi_port and not plan.lockstep) else 0
         self.api_restarts = -1 if restart or multi_port else 0
         self.supervisors: list[object] = []
+        self.scaler = None  # a one-node dense cluster's resizer (``launch.ray_scaling``)
         self.token = cluster_token(config.data_parallel.cluster_token)  # actors may not share our environment
 
     def _options(self, role: str, index=None, node: int = 0, **resources) -> dict:
@@ -186,9 +187,10 @@ class RayCluster:
         if not resizable(self.plan):
             return None
         options = self._options("scaler", None, 0, num_cpus=0)
-        scaler = ScalerActor.options(**options).remote(self.name, self.config, self.plan, shared, self.token, self.host,
-                                                       self.detached, self.restarts, sorted(addresses.items()))
-        return tuple(wait_for(scaler.socket.remote(), 60, self.check))
+        self.scaler = ScalerActor.options(**options).remote(self.name, self.config, self.plan, shared, self.token,
+                                                            self.host, self.detached, self.restarts,
+                                                            sorted(addresses.items()))  # held: it lives as long
+        return tuple(wait_for(self.scaler.socket.remote(), 60, self.check))
 
     def _start_api_servers(self, addresses: dict[int, str], loads: str | None,
                            scale_control: tuple[str, bytes] | None = None) -> None:

@@ -38,6 +38,7 @@ class RayRanks:
         self.cluster, self.config, self.plan, self.shared, self.token = cluster, config, plan, shared, token
         self.host, self.detached, self.restarts = host, detached, restarts
         self.engines = list(engines)  # (rank, address): what a restarted API server should front
+        self.actors: dict = {}  # the engine actors it started, held: a non-detached actor lives as long as a handle
         self.node_id = ray.get_runtime_context().get_node_id()  # the scaler runs on the cluster's node
 
     def count(self) -> int:
@@ -75,15 +76,18 @@ class RayRanks:
                    if isinstance(exc, ray.exceptions.GetTimeoutError) else _first_line(exc))
             raise ScaleError(500, f"the resize to {size} ranks failed and was rolled back: {why}") from None
         added = list(zip(started, addresses, strict=True))
+        self.actors.update(started)
         self.engines.extend(added)
         return added
 
     def stop(self, ranks: list[int]) -> None:
         for rank in ranks:
-            try:
-                actor = ray.get_actor(actor_name(self.cluster, "engine", rank), self.config.ray.namespace)
-            except ValueError:  # already gone
-                continue
+            actor = self.actors.pop(rank, None)
+            if actor is None:  # one the cluster started with: the driver holds it, and Ray finds it by name
+                try:
+                    actor = ray.get_actor(actor_name(self.cluster, "engine", rank), self.config.ray.namespace)
+                except ValueError:  # already gone
+                    continue
             try:
                 ray.get(actor.stop.remote(), timeout=STOP_TIMEOUT_S)
             except Exception as exc:  # a dead engine: killing it is all that is left

@@ -275,7 +275,7 @@ class ProcessRanks:
     launcher starts (on its main thread) and stops, the API servers' specs it restarts them with,
     and the coordinator it starts again with the current size."""
 
-    room_unit = "one CPU core each"
+    room_unit = "one per CPU core"
 
     def __init__(self, node):
         self.node = node

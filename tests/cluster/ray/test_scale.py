@@ -46,7 +46,8 @@ def test_a_one_node_cluster_grows_shrinks_and_a_restarted_api_server_catches_up(
         grown = httpx.post(f"{url}/scale_elastic_ep", json={"new_data_parallel_size": 2}, timeout=300)
         assert grown.status_code == 200, grown.text
         assert _ranks(url) == [0, 1]
-        assert _pinned(url, 1).status_code == 200
+        pinned = _pinned(url, 1)
+        assert pinned.status_code == 200, pinned.text
         assert "hybridlb:elastic:engine:1" in _actors("elastic")
 
         ray.kill(api, no_restart=False)  # Ray starts it again with the engines it first had: rank 0 alone
