@@ -238,7 +238,7 @@ def _check_autoscaling(config: Config, mode: str, nodes: int, lockstep: bool, pr
     if scaling is None:
         return
     if nodes > 1 or lockstep or mode in ("multi_port", "external"):
-        problems.append("autoscaling resizes a one-node `hybridlb serve` of a dense model (not several nodes, MoE "
+        problems.append("autoscaling resizes a one-node cluster of a dense model (not several nodes, MoE "
                         "expert parallelism or multi-port / external LB nodes); remove the autoscaling section")
     if not scaling.min_replicas <= size <= scaling.max_replicas:
         problems.append(f"data_parallel.size={size} is outside autoscaling's {scaling.min_replicas}.."

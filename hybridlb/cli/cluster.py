@@ -24,10 +24,6 @@ def up(
         problems = Problems()
         cfg = build_config(config, overrides(flags, problems), problems)
         plan, _ = check_start(cfg, problems, cluster=True) if cfg is not None else (None, None)
-        if cfg is not None and cfg.autoscaling is not None:
-            problems.add("autoscaling resizes a `hybridlb serve` node; `hybridlb up` resizes on request only "
-                         "(`hybridlb scale`, POST /scale_elastic_ep): "
-                         "remove the autoscaling section, or serve the node with `hybridlb serve --config`")
         problems.raise_any()  # every problem of the config, as `serve` lists them
         from hybridlb.launch.ray_driver import up as ray_up  # Ray is imported once the checks passed
         from hybridlb.launch.ray_session import UpError

@@ -60,7 +60,7 @@ class Config(_Section):
     lb: LoadBalancingConfig = Field(default_factory=LoadBalancingConfig, description="Load-balancing mode.")
     ray: RayConfig = Field(default_factory=RayConfig, description="Placement on Ray (hybridlb up).")
     autoscaling: AutoscalingConfig | None = Field(
-        None, description="Resize a one-node `hybridlb serve` by its load (off when absent).")
+        None, description="Resize a one-node cluster (`serve` or `up`) by its load (off when absent).")
 
     @property
     def served_model_names(self) -> list[str]:

@@ -175,7 +175,7 @@ class DataParallelConfig(_Section):
 
 
 class AutoscalingConfig(_Section):
-    """Resize a one-node ``hybridlb serve`` by its load (``hybridlb.launch.autoscale``): the
+    """Resize a one-node cluster (``serve`` or ``up``) by its load (``hybridlb.launch.autoscale``): the
     launcher reads every rank's running and waiting requests from the coordinator each second
     and moves to ``ceil(ongoing / target_ongoing_requests)`` ranks within the bounds, once that
     has been wanted for the delay. Names as Ray Serve's ``autoscaling_config`` has them."""

@@ -20,6 +20,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from hybridlb.engine.dp_context import DPContext
+from hybridlb.launch.autoscale import start_autoscaler
 from hybridlb.launch.ray_actors import EngineActor, runtime_dir
 from hybridlb.launch.ray_session import UpError, actor_name, attach
 from hybridlb.launch.scaling import START_TIMEOUT_S, ScaleControl, ScaleError, send_rank_count
@@ -122,6 +123,8 @@ class ScalerActor:
         self.cluster = cluster
         self.ranks = RayRanks(cluster, config, plan, shared, token, host, detached, restarts, engines)
         self.control = ScaleControl(self.ranks, runtime_dir(cluster))
+        # an autoscaling section: the same autoscaler as a serve node's, on the coordinator's loads
+        self.autoscaler = start_autoscaler(config, self.control, shared.get("loads"), token)
 
     def socket(self) -> tuple[str, bytes]:
         """Where the cluster's API servers connect, and the key."""
@@ -138,6 +141,8 @@ class ScalerActor:
         return self.control.size
 
     def stop(self) -> None:
+        if self.autoscaler is not None:
+            self.autoscaler.stop()
         self.control.close()
 
     def __repr__(self) -> str:

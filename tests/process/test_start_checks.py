@@ -159,12 +159,3 @@ def test_a_config_with_several_errors_lists_them_all_in_serve_and_up(tmp_path, t
         lines = _error_lines(run)
         assert lines[0] == "error: 2 problems:" and "missing.jinja does not exist" in lines[1], run.stderr
         assert "no node runs rank(s) 1" in lines[2], run.stderr
-
-
-def test_up_refuses_an_autoscaling_section_it_would_ignore(tmp_path, tiny_qwen3):
-    """`hybridlb up` resizes only on request: an autoscaling section is an error, not ignored."""
-    config = _write(tmp_path, {"engine": {"model": tiny_qwen3}, "api": {"port": free_port()},
-                               "autoscaling": {"max_replicas": 2}})
-    assert _error_lines(_hybridlb("up", config)) == [
-        "error: autoscaling resizes a `hybridlb serve` node; `hybridlb up` resizes on request only (`hybridlb scale`, "
-        "POST /scale_elastic_ep): remove the autoscaling section, or serve the node with `hybridlb serve --config`"]

@@ -72,3 +72,42 @@ def test_a_one_node_cluster_grows_shrinks_and_a_restarted_api_server_catches_up(
     finally:
         cluster.stop()
     assert _actors("elastic") == []
+
+
+def test_an_autoscaled_cluster_grows_under_load_and_shrinks_when_idle(ray_cluster, tiny_qwen3):
+    """`hybridlb up` with an autoscaling section: the scaler actor follows the coordinator's loads as a
+    `serve` launcher does. Rounds of 8 streams against a target of 2 per rank grow it to 2 ranks; idle,
+    it shrinks back to 1; no stream fails and the texts stay those of the one-rank cluster."""
+    import asyncio
+
+    from tests.process.dp.test_scaling import _streams
+
+    cluster = start({
+        "engine": {"model": tiny_qwen3, "max_model_len": 1024, "kv_cache_gib": 0.05, "torch_threads": 1,
+                   "dtype": "float32"},
+        "api": {"served_model_name": "m"},
+        "data_parallel": {"size": 1, "nodes": [
+            {"size_local": 1, "api_port": free_port(), "ray_resource": NODE_RESOURCES[0]}]},
+        "autoscaling": {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2, "upscale_delay_s": 0.5,
+                        "downscale_delay_s": 1.5, "drain_timeout_s": 5},
+        "ray": {"name": "autoscaled", "cpus_per_engine": 1, "cpus_per_api_server": 1, "ready_timeout_s": 120},
+    })
+    try:
+        ((_, api),) = cluster.apis
+        url = ray.get(api.url.remote())
+        texts = asyncio.run(_streams(url, "m"))
+        deadline = time.monotonic() + 60
+        while _ranks(url) != [0, 1]:  # streams in rounds until it grew
+            assert time.monotonic() < deadline, "never grew"
+            assert asyncio.run(_streams(url, "m")) == texts
+        assert "hybridlb:autoscaled:engine:1" in _actors("autoscaled")
+        deadline = time.monotonic() + 30
+        while _ranks(url) != [0] or "hybridlb:autoscaled:engine:1" in _actors("autoscaled"):
+            assert time.monotonic() < deadline, "never shrank"
+            time.sleep(0.2)
+        resizes = [line for line in httpx.get(f"{url}/metrics").text.splitlines()
+                   if line.startswith("hybridlb:data_parallel_resizes_total{") and 'trigger="autoscaling"' in line]
+        assert sorted(float(line.rsplit(" ", 1)[1]) for line in resizes) == [1.0, 1.0], resizes
+        assert asyncio.run(_streams(url, "m")) == texts
+    finally:
+        cluster.stop()

@@ -37,7 +37,7 @@ def test_bounds_that_cross_or_a_start_outside_them_are_refused():
         plan_cluster(config)
     config = parse_config({"engine": {"model": "m", "expert_parallel": True}, "data_parallel": {"size": 2},
                            "autoscaling": {"min_replicas": 1, "max_replicas": 2}})
-    with pytest.raises(PlanError, match="autoscaling resizes a one-node `hybridlb serve` of a dense model"):
+    with pytest.raises(PlanError, match="autoscaling resizes a one-node cluster of a dense model"):
         plan_cluster(config, is_moe=True)
 
 
