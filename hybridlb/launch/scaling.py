@@ -147,8 +147,9 @@ class ScaleControl:
                 continue
             link = _Link(connection)
             self.links.append(link)
-            with contextlib.suppress(OSError):  # one restarted with the engines it first had catches up
-                link.send({"op": "sync", "engines": self.ranks.current()})
+            if resizable(self.ranks.plan):  # every API server fronts all the node's ranks (not multi-port)
+                with contextlib.suppress(OSError):  # one restarted with the engines it first had catches up
+                    link.send({"op": "sync", "engines": self.ranks.current()})
             threading.Thread(target=self._read, args=(link,), name="scale-link", daemon=True).start()
 
     def _read(self, link: _Link) -> None:
