@@ -39,6 +39,17 @@ def runtime_dir(cluster: str) -> str:
     return lifecycle.private_dir(_runtime_path(cluster))
 
 
+def engine_threads(config) -> int:
+    """An engine actor's torch threads: ``engine.torch_threads``, else its Ray CPUs (at least 1)."""
+    return config.engine.torch_threads or max(1, int(config.ray.cpus_per_engine))
+
+
+def engine_gpus(config) -> float:
+    """An engine actor's Ray GPUs: ``ray.gpus_per_engine``, else 1 on CUDA and 0 elsewhere."""
+    gpus = config.ray.gpus_per_engine
+    return gpus if gpus is not None else (1.0 if config.engine.device == "cuda" else 0.0)
+
+
 @ray.remote(num_cpus=0)
 def remove_runtime_dir(cluster: str) -> None:
     """Run on each node by ``down``: nothing of the cluster stays in the temporary folder."""

@@ -34,6 +34,8 @@ from hybridlb.launch.ray_actors import (
     CoordinatorActor,
     EngineActor,
     SupervisorActor,
+    engine_gpus,
+    engine_threads,
     free_ports,
 )
 from hybridlb.launch.ray_admin import down, named
@@ -60,8 +62,7 @@ class Placement:
 
     def __init__(self, config: Config, plan: ClusterPlan):
         self.config, self.plan = config, plan
-        gpus = config.ray.gpus_per_engine
-        self.gpus = gpus if gpus is not None else (1.0 if config.engine.device == "cuda" else 0.0)
+        self.gpus = engine_gpus(config)
         self.bundles = [self._bundle(node) for node in plan.nodes]
         self.group = None
 
@@ -167,7 +168,7 @@ class RayCluster:
 
     def _start_engines(self, shared: dict) -> None:
         cfg = self.config
-        threads = cfg.engine.torch_threads or max(1, int(cfg.ray.cpus_per_engine))
+        threads = engine_threads(cfg)
         for node in self.plan.nodes:
             # The node's engines share the CPUs Ray reserved for them (table path: see Engine).
             cores = node_core_share(cfg.engine, "", f"cores-node{node.index}", len(node.ranks),

@@ -21,7 +21,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from hybridlb.engine.dp_context import DPContext
 from hybridlb.launch.autoscale import start_autoscaler
-from hybridlb.launch.ray_actors import EngineActor, runtime_dir
+from hybridlb.launch.ray_actors import EngineActor, engine_gpus, engine_threads, runtime_dir
 from hybridlb.launch.ray_session import UpError, actor_name, attach
 from hybridlb.launch.scaling import START_TIMEOUT_S, ScaleControl, ScaleError, send_rank_count
 
@@ -52,9 +52,7 @@ class RayRanks:
 
     def start(self, ranks: range, size: int) -> list[tuple[int, str]]:
         cfg = self.config
-        threads = cfg.engine.torch_threads or max(1, int(cfg.ray.cpus_per_engine))
-        gpus = cfg.ray.gpus_per_engine if cfg.ray.gpus_per_engine is not None else (
-            1.0 if cfg.engine.device == "cuda" else 0.0)
+        threads, gpus = engine_threads(cfg), engine_gpus(cfg)
         node = self.plan.nodes[0]
         started = {}
         for rank in ranks:
