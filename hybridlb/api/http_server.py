@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import signal
 import socket
 import threading
+from multiprocessing.connection import Connection
 from multiprocessing.synchronize import Event
 
 import uvicorn
@@ -88,10 +90,12 @@ def make_server(app, config: Config) -> _Server:
 
 
 def run_api_server(config: Config, spec: ApiServerSpec, host: str, port: int, shared_port: bool = False,
-                   ready: Event | None = None, sock: socket.socket | None = None) -> None:
+                   ready: Event | None = None, sock: socket.socket | None = None, orders: Connection | None = None
+                   ) -> None:
     """Serve HTTP on ``host:port`` over ``spec.engines`` until SIGTERM; set ``ready`` once
     every engine has answered (connections made before then wait in the backlog). ``sock``: that
-    port's socket, already listening (``serve`` binds it before the engines load)."""
+    port's socket, already listening (``serve`` binds it before the engines load). ``orders``: the
+    whole spec comes on it once the engines are up (``serve`` starts this process while they load)."""
     title = f"hybridlb:{spec.name}"
     lifecycle.set_title(title)
     lifecycle.configure_logging(title)
@@ -104,5 +108,12 @@ def run_api_server(config: Config, spec: ApiServerSpec, host: str, port: int, sh
     use_shared_metrics(spec.metrics_dir)
     from hybridlb.api.app import create_app
 
+    if orders is not None:
+        try:
+            spec = orders.recv()
+        except EOFError:  # the node's start failed before its engines were up
+            return
+        orders.close()
     app = create_app(config, spec, on_ready=ready.set if ready is not None else None)
     make_server(app, config).run(sockets=[sock])
+    gc.freeze()  # the interpreter's last collection would walk every object of its modules, for nothing

@@ -6,6 +6,7 @@ calls into the package that does the work (``launch``, ``engine``, ``bench``, ..
 
 from __future__ import annotations
 
+import gc
 import sys
 
 import typer
@@ -53,6 +54,8 @@ def main() -> None:
     except Refusal as refusal:
         refusal.show()
         raise SystemExit(refusal.exit_code) from None
+    finally:
+        gc.freeze()  # the interpreter's last collection would walk every object of its modules, for nothing
 
 
 def _serve_despite(problems: list[str]) -> int:

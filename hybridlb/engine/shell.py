@@ -11,6 +11,7 @@ Threads:
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import multiprocessing
 import queue
@@ -381,3 +382,4 @@ def run_engine(config: EngineConfig, dp: DPContext, address: str, torch_threads:
             log.exception("engine %d: its loop failed; exiting", dp.rank)
         raise SystemExit(1) from None
     log.info("engine %d stopped", dp.rank)
+    gc.freeze()  # the interpreter's last collection would walk every object torch made: half a second

@@ -5,9 +5,11 @@ The parent process (``hybridlb:serve``) lays out the cluster (``hybridlb.plan``)
 1. head node (start rank 0): starts the coordinator when the plan has one, and the
    rpc-port handshake when other nodes will join; any other node joins the head and
    learns the coordinator's addresses (a mismatch ends it with the head's reason);
-2. starts this node's engines and waits for each one's readiness handshake;
+2. starts this node's engines, and its API server processes (none when headless), which load
+   their modules meanwhile (``hybridlb.launch.api_processes``); waits for each engine's
+   readiness handshake;
 3. waits for the cluster-wide barrier: every rank on every node is up;
-4. starts this node's API servers (none when headless) and waits until they are ready;
+4. tells the API servers their engines and waits until they are ready;
 5. watches its processes until SIGTERM / Ctrl-C (which stops everything).
 
 What happens when a part dies (``data_parallel.restart_policy``; a part that dies more than
@@ -31,7 +33,6 @@ from multiprocessing.connection import wait
 import msgspec
 
 from hybridlb import lifecycle
-from hybridlb.api.http_server import run_api_server
 from hybridlb.api.spec import ApiServerSpec
 from hybridlb.config import Config
 from hybridlb.coordinator import run_coordinator
@@ -45,6 +46,7 @@ from hybridlb.engine.spawn import (
     stop_engines,
     wait_until_ready,
 )
+from hybridlb.launch.api_processes import ApiProcesses, NodeStartError
 from hybridlb.launch.autoscale import start_autoscaler
 from hybridlb.launch.handshake import ClusterError, HeadHandshake, NodeLink, registration
 from hybridlb.launch.scaling import MainThreadCalls, ProcessRanks, ScaleControl, growth_room
@@ -60,10 +62,6 @@ MAX_RESTARTS = 3
 RESTART_WINDOW_S = 60.0
 
 
-class NodeStartError(RuntimeError):
-    """A component of this node failed to start; the message says which and why."""
-
-
 class Node:
     """The processes of one node and how to start and stop them."""
 
@@ -77,8 +75,8 @@ class Node:
         self.engines: list[EngineProcess] = []
         self.engine_args: dict[int, tuple] = {}  # rank → what start_engine got (to restart it)
         self.coordinator_args: tuple = ()
-        self.apis: list[multiprocessing.Process] = []
-        self.api_args: list[tuple] = []
+        self.api = ApiProcesses(config, node, self.runtime_dir, self.sockets)
+        self.apis, self.api_args = self.api.processes, self.api.args  # the same lists
         self.restarts: dict[str, list[float]] = {}
         self.supervisor: Supervisor | None = None
         self.scaling: ScaleControl | None = None  # resizes asked for through the API servers
@@ -122,6 +120,7 @@ class Node:
             engine = self.config.engine.for_rank(rank, self.node.http_port(rank), self.config.served_model_name)
             self.engine_args[rank] = (engine, rank, self.engine_address(rank), threads, dp, share)
             self.engines.append(start_engine(*self.engine_args[rank]))
+        self.api.spawn()  # their imports take most of a second: done while the engines load
         try:
             wait_until_ready(self.engines, timeout_s, self.token)
         except EngineStartError as exc:
@@ -144,15 +143,9 @@ class Node:
         children = {api.ranks[0]: local_url(host, api.port) for api in self.node.api_servers}
         self.supervisor = Supervisor(host, self.node.supervisor_port, children, lb.supervisor_probe_interval_s,
                                      lb.supervisor_probe_timeout_s, lb.supervisor_probe_failure_threshold,
-                                     pid_of=self._api_pid)
+                                     pid_of=self.api.pid_of)
         self.supervisor.start()
         log.info("supervisor of ranks %s at http://%s:%d/readyz", list(children), host, self.node.supervisor_port)
-
-    def _api_pid(self, rank: int) -> int | None:
-        for process, (_, spec, *_) in zip(self.apis, self.api_args, strict=False):
-            if spec.engines[0][0] == rank:
-                return process.pid
-        return None
 
     def _coordination(self) -> NodeAccepted:
         """Start (head) or join (other nodes) what the cluster shares; return its addresses."""
@@ -222,44 +215,18 @@ class Node:
         return local
 
     def _start_api_servers(self, addresses: dict[int, str], loads: str | None, timeout_s: float) -> None:
-        events = []
-        ports = [api.port for api in self.node.api_servers]
-        # A shared port: one /metrics for all of them (see ApiServerSpec.metrics_dir).
-        metrics_dir = os.path.join(self.runtime_dir, "metrics") if len(ports) > len(set(ports)) else None
-        for api in self.node.api_servers:
-            spec = ApiServerSpec(tuple((rank, addresses[rank]) for rank in api.ranks), api.name, self.node.index,
-                                 self.plan.mode, loads, self.config.lb.policy, self.token, metrics_dir,
-                                 (self.scaling.address, self.scaling.key) if self.scaling else None)
-            ready = _spawn.Event()
-            self.api_args.append((self.config, spec, api.host, api.port, ports.count(api.port) > 1))
-            process = self._spawn_api(len(self.apis), ready)
-            self.apis.append(process)
-            events.append((api, process, ready))
-        deadline = time.monotonic() + timeout_s
-        for api, process, ready in events:
-            while not ready.wait(0.2):
-                if not process.is_alive():
-                    raise NodeStartError(f"API server {api.name} exited with code {process.exitcode} "
-                                         "(see its log above)")
-                if time.monotonic() > deadline or self.stopping:
-                    raise NodeStartError(f"API server {api.name} was not ready in time")
-
-    def _spawn_api(self, index: int, ready=None) -> multiprocessing.Process:
-        config, spec, host, port, shared = self.api_args[index]
-        sock = self.sockets.pop(spec.name, None)  # None: a restart, which binds the port again
-        process = _spawn.Process(target=run_api_server, name=f"hybridlb:{spec.name}", daemon=True,
-                                 args=(config, spec, host, port, shared, ready, sock))
-        with lifecycle.spawning():
-            process.start()
-        if sock is not None:
-            sock.close()  # the API server holds it now
-        return process
+        specs = [ApiServerSpec(tuple((rank, addresses[rank]) for rank in api.ranks), api.name, self.node.index,
+                               self.plan.mode, loads, self.config.lb.policy, self.token, self.api.metrics_dir,
+                               (self.scaling.address, self.scaling.key) if self.scaling else None)
+                 for api in self.node.api_servers]
+        self.api.start(specs, timeout_s, lambda: self.stopping)
 
     # -- run and stop -------------------------------------------------------------------
     def _lost_head(self, reason: str) -> None:
         if self.plan.lockstep or self.plan.remote_engines:
             self.exit_reason = f"{reason}; stopping this node (it cannot serve without the head)"
             self.stopping = True
+            self.main_thread.wake()
         else:
             log.error("%s; this node's ranks are independent and keep serving", reason)
 
@@ -278,6 +245,7 @@ class Node:
                              "without restarting)")
         log.warning("%s", self.restart_anew)
         self.stopping = True
+        self.main_thread.wake()
         return False
 
     def wait(self) -> int:
@@ -290,9 +258,12 @@ class Node:
             watched.update({p.sentinel: ("api", i, p) for i, p in enumerate(self.apis)})
             if self.coordinator is not None:
                 watched[self.coordinator.sentinel] = ("coordinator", 0, self.coordinator)
-            for sentinel in wait([s for s, (*_, p) in watched.items() if p not in handled], timeout=0.5):
+            for sentinel in wait([self.main_thread.readable,
+                                  *(s for s, (*_, p) in watched.items() if p not in handled)], timeout=0.5):
                 if self.stopping:  # Ctrl-C reaches every process of the group: their exits are expected
                     break
+                if sentinel not in watched:  # the wake: a call to run, or the stop
+                    continue
                 kind, index, process = watched[sentinel]
                 handled.add(process)
                 if not on_death[kind](index):
@@ -354,7 +325,7 @@ class Node:
         supervised = self._rank_down(self.api_args[index][1].engines[0][0], why, restarting)
         if restarting:
             log.warning("restarting %s", part)
-            self.apis[index] = self._spawn_api(index)
+            self.api.respawn(index)
         elif not supervised:  # multi-port: the other ranks serve on until the pod's liveness probe restarts it
             self.exit_reason = f"{why}; stopping the node"
         return restarting or supervised
@@ -362,6 +333,8 @@ class Node:
     def request_stop(self) -> None:
         """Signal-safe: make ``wait`` (and a start-up wait) return."""
         self.stopping = True
+        self.main_thread.wake()
+        self.main_thread.wake()
 
     def kill(self) -> None:
         """Now, without waiting: SIGKILL every process of this node and remove its runtime directory."""
@@ -397,4 +370,5 @@ class Node:
             self.supervisor.stop()
         for sock in self.sockets.values():  # never handed over: the start failed before the API servers
             sock.close()
+        self.main_thread.close()
         shutil.rmtree(self.runtime_dir, ignore_errors=True)

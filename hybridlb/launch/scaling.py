@@ -78,14 +78,30 @@ class MainThreadCalls:
 
     def __init__(self):
         self.calls: queue.Queue = queue.Queue()
+        # The main thread's wait wakes when this is readable: a call, or a stop (``wake`` is signal-safe).
+        self.readable, self._writable = os.pipe()
+        os.set_blocking(self._writable, False)
+        os.set_blocking(self.readable, False)
 
     def call(self, fn, timeout_s: float = 60.0):
         """``fn()``'s result, run on the main thread at its next turn (``run_pending``)."""
         done: concurrent.futures.Future = concurrent.futures.Future()
         self.calls.put((fn, done))
+        self.wake()
         return done.result(timeout_s)
 
+    def wake(self) -> None:
+        with contextlib.suppress(OSError):  # full (a wake is pending anyway) or closed (stopped)
+            os.write(self._writable, b"!")
+
+    def close(self) -> None:
+        for fd in (self.readable, self._writable):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
     def run_pending(self) -> None:
+        with contextlib.suppress(OSError):  # nothing to read, or closed
+            os.read(self.readable, 4096)
         while True:
             try:
                 fn, done = self.calls.get_nowait()
