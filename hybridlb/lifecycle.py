@@ -62,9 +62,11 @@ def spawning():
 
 
 def on_terminate(callback: Callable[[], None]) -> None:
-    """Run ``callback`` on SIGTERM and SIGINT (it must only set flags and wake loops)."""
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: callback())
+    """Run ``callback`` on SIGTERM (it must only set flags and wake loops). SIGINT stays
+    ignored: a terminal's Ctrl-C reaches the whole group, and the launcher stops its children
+    in order (an engine serves on while the API servers let requests finish)."""
+    signal.signal(signal.SIGTERM, lambda *_: callback())
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 class Interrupted(BaseException):

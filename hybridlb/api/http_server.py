@@ -38,14 +38,15 @@ def listen(host: str, port: int, shared: bool) -> socket.socket:
 class _Server(uvicorn.Server):
     """uvicorn, minus re-raising the signal that stopped it: SIGTERM or Ctrl-C (which the
     whole process group gets) is an orderly stop here, answered with a graceful shutdown
-    and exit code 0, not a KeyboardInterrupt traceback. A stop first ends every in-flight
-    request with an error (``on_stop``): the node stops its engines at the same time, so
-    they could not finish, and a stream cut at the end of the grace period tells its client
-    nothing."""
+    and exit code 0, not a KeyboardInterrupt traceback. A stop closes the listening socket at
+    once, then ends every in-flight request with an error (``on_stop``) after ``grace_s``
+    (``api.shutdown_timeout_s``; the node keeps its engines serving meanwhile), at once without
+    one: the node then stops its engines at the same time, so they could not finish, and a
+    stream cut at the end of uvicorn's grace period would tell its client nothing."""
 
-    def __init__(self, config: uvicorn.Config, on_stop=None):
+    def __init__(self, config: uvicorn.Config, on_stop=None, grace_s: float = 0.0):
         super().__init__(config)
-        self.on_stop = on_stop
+        self.on_stop, self.grace_s = on_stop, grace_s
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def serve(self, sockets=None) -> None:
@@ -54,9 +55,12 @@ class _Server(uvicorn.Server):
 
     def stop(self) -> None:
         """Ask the server to stop (from a signal handler or another thread)."""
+        if self.should_exit:  # a repeated signal: the stop is under way
+            return
         self.should_exit = True
         if self.on_stop is not None and self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self.on_stop)
+            # api.shutdown_timeout_s: requests in flight may finish meanwhile (the node's engines serve on)
+            self._loop.call_soon_threadsafe(self._loop.call_later, self.grace_s, self.on_stop)
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -83,10 +87,14 @@ def use_shared_metrics(directory: str | None) -> None:
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory
 
 
-def make_server(app, config: Config) -> _Server:
-    """The HTTP server of one API server, for ``serve``'s processes and Ray's actors alike."""
+def make_server(app, config: Config, drains: bool = True) -> _Server:
+    """The HTTP server of one API server, for ``serve``'s processes and Ray's actors alike;
+    ``drains``: a stop lets requests in flight finish first (``api.shutdown_timeout_s``), as a
+    ``serve`` node's does (``hybridlb down`` stops a Ray cluster's actors at once)."""
+    grace = config.api.shutdown_timeout_s if drains else 0.0
     return _Server(uvicorn.Config(app, log_level=config.api.log_level, access_log=False, loop="uvloop",
-                                  http="httptools", timeout_graceful_shutdown=3), on_stop=app.state.stop_requests)
+                                  http="httptools", timeout_graceful_shutdown=grace + 3),
+                   on_stop=app.state.stop_requests, grace_s=grace)
 
 
 def run_api_server(config: Config, spec: ApiServerSpec, host: str, port: int, shared_port: bool = False,

@@ -65,6 +65,14 @@ class ApiConfig(_Section):
         "requests. MoE lockstep groups always fail them (the group's collectives broke).",
         json_schema_extra=flag(),
     )
+    shutdown_timeout_s: float = Field(
+        0.0, ge=0, description="On SIGTERM or Ctrl-C, how long requests in flight may finish before the node "
+        "stops (vLLM's --shutdown-timeout). Its API servers stop accepting connections at once, so a load "
+        "balancer sends new requests elsewhere, and the engines serve on until the last request ends or this "
+        "runs out; a request still running then ends with an error event. 0: stop at once. A second signal "
+        "stops at once either way.",
+        json_schema_extra=flag("--shutdown-timeout", vllm=True),
+    )
     log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = Field(
         "warning", description="The HTTP server's (uvicorn's) own log level: vLLM's --uvicorn-log-level. hybridlb's "
         "own log lines follow the HYBRIDLB_LOG_LEVEL environment variable (default INFO).",

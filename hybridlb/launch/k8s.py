@@ -229,10 +229,11 @@ def _pod(config: Config, plan: ClusterPlan, name: str, role: str, headless: bool
                                                                    "readOnly": True}})
     elif options.model_host_path:
         volumes.append({"name": "model", "hostPath": {"path": options.model_host_path, "type": "Directory"}})
+    grace = config.api.shutdown_timeout_s  # the pod's own grace must outlast it (Kubernetes' default: 30 s)
     return {
         "metadata": {"labels": labels},
         "spec": {"containers": [_container(config, plan, size_local, headless, options, name)],
-                 "volumes": volumes,
+                 "volumes": volumes, **({"terminationGracePeriodSeconds": math.ceil(grace) + 10} if grace else {}),
                  # Unprivileged (the Dockerfile's user), no Kubernetes API credentials: a pod needs neither.
                  "automountServiceAccountToken": False,
                  "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000,

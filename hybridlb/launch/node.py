@@ -354,9 +354,15 @@ class Node:
             self.supervisor.begin_shutdown()
         if self.handshake is not None:
             self.handshake.stop("the head node is shutting down")
-        for process in [*self.apis, self.coordinator]:
-            if process is not None and process.is_alive():
+        for process in self.apis:
+            if process.is_alive():
                 process.terminate()
+        if self.started and self.config.api.shutdown_timeout_s:  # requests in flight finish first
+            deadline = time.monotonic() + self.config.api.shutdown_timeout_s + 5
+            for process in self.apis:
+                process.join(max(0.0, deadline - time.monotonic()))
+        if self.coordinator is not None and self.coordinator.is_alive():
+            self.coordinator.terminate()
         stop_engines(self.engines)
         for process in [*self.apis, self.coordinator]:
             if process is not None:

@@ -199,7 +199,7 @@ class ApiServerActor(_ThreadedActor):
         app = create_app(config, spec, on_ready=self.ready_event.set, observer=self.mirror)
         self.sock = listen(host, port, shared_port)
         self.host = _node_ip() if host in ("0.0.0.0", "::") else host
-        server = make_server(app, config)
+        server = make_server(app, config, drains=False)
         self._run(server, lambda: server.run(sockets=[self.sock]), "api")
 
     def wait_ready(self, timeout_s: float) -> bool:

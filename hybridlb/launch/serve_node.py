@@ -44,8 +44,11 @@ def serve(config: Config, plan: ClusterPlan, node: NodePlan, sockets: dict | Non
 
 def _run(runner: Node, config: Config, node: NodePlan) -> int:
     """``serve`` for one ``Node``'s life."""
-    signals = lifecycle.StopSignals(f"node {node.index} (its engines, API servers and coordinator)", runner.kill,
-                                    on_stop=runner.request_stop)
+    grace = config.api.shutdown_timeout_s
+    signals = lifecycle.StopSignals(
+        f"node {node.index} (its engines, API servers and coordinator)"
+        + (f" once its requests in flight end (at most {grace:g} s; new connections are refused)" if grace else ""),
+        runner.kill, on_stop=runner.request_stop)
     try:
         runner.start()
         signals.starting = False

@@ -189,3 +189,15 @@ def test_the_vllm_backend_rides_in_the_config_map_and_its_pods_run_an_image_with
                for line in said)
     dockerfile = (Path(__file__).parents[2] / "Dockerfile").read_text()
     assert 'pip install --no-cache-dir "$VLLM_PACKAGE"' in dockerfile
+
+
+def test_a_shutdown_timeout_gets_a_pod_grace_period_that_outlasts_it(tmp_path, tiny_qwen3):
+    """Kubernetes kills a pod 30 s after its SIGTERM unless told otherwise: a node that lets its
+    requests finish for 60 s needs the pod to wait longer; without one, the default stands."""
+    for timeout, grace in ((60, 70), (0, None)):
+        path = tmp_path / f"lws-{timeout}.yaml"
+        path.write_text(f"engine: {{model: {tiny_qwen3}}}\napi: {{shutdown_timeout_s: {timeout}}}\n"
+                        "data_parallel: {size: 2, size_local: 1}\n")
+        lws = _kind(_documents(str(path)), "LeaderWorkerSet")["spec"]["leaderWorkerTemplate"]
+        for role in ("leaderTemplate", "workerTemplate"):
+            assert lws[role]["spec"].get("terminationGracePeriodSeconds") == grace
