@@ -306,6 +306,13 @@ class NodeReady(msgspec.Struct, tag="node_ready"):
     start_rank: int
 
 
+class NodeLeaving(msgspec.Struct, tag="node_leaving"):
+    """A node stopping in order: in a dense cluster that may grow, its ranks leave the cluster
+    (the head shrinks it when they were the last ones) instead of counting as lost."""
+
+    start_rank: int
+
+
 class ClusterReady(msgspec.Struct, tag="cluster_ready"):
     engine_addresses: dict[int, str]
 
@@ -321,7 +328,7 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
 ToEngine = Hello | AddRequest | AbortRequests | StartWave | LoadAdapters
 FromEngine = EngineReady | EngineOutputs
 ToCoordinator = EngineStats | WaveComplete | StartWave | RankCount
-ToHead = RegisterNode | NodeReady | Heartbeat
+ToHead = RegisterNode | NodeReady | NodeLeaving | Heartbeat
 FromHead = NodeAccepted | NodeRejected | ClusterReady | Heartbeat | Shutdown
 
 FRONT_END_SILENCE_S = 30  # an engine disconnects a front end that answers no ping for this long

@@ -2,9 +2,9 @@
 
 The head's launcher runs ``HeadHandshake`` (a thread owning the ROUTER socket): it
 checks each registering node against its own fingerprints, runs the readiness barrier
-(``ClusterReady`` once every rank is up) and sends heartbeats. Every other node's
-launcher uses ``NodeLink``: join, report ready, wait for the barrier, then watch the
-heartbeats and give up when the head goes quiet. Messages: ``hybridlb.protocol``.
+(``ClusterReady`` once every rank is up), sends heartbeats, and grows or shrinks a dense
+cluster as nodes with the next ranks join or its last ones leave. Every other node's
+launcher uses ``NodeLink`` (``hybridlb.launch.node_link``). Messages: ``hybridlb.protocol``.
 """
 
 from __future__ import annotations
@@ -13,15 +13,12 @@ import hashlib
 import hmac
 import json
 import logging
-import os
 import queue
 import socket
 import threading
 import time
-import uuid
 
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
 from hybridlb.checkpoint.path import resolve
 from hybridlb.config import Config
@@ -30,16 +27,16 @@ from hybridlb.protocol import (
     ClusterReady,
     Heartbeat,
     NodeAccepted,
+    NodeLeaving,
     NodeReady,
     NodeRejected,
     RegisterNode,
     Shutdown,
     decode_routed,
     encoder,
-    from_head_decoder,
     to_head_decoder,
 )
-from hybridlb.transport import cluster_token, connect_securely, serve_securely, speaks_curve
+from hybridlb.transport import cluster_token, serve_securely
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 1.0
@@ -60,7 +57,7 @@ def fingerprints(config: Config) -> tuple[str, str]:
     """(model, config) fingerprints every node must share with the head."""
     model = resolve(config.engine.model).fingerprint()
     shared = config.engine.model_dump(exclude={"model", "make_if_missing", "torch_threads", "share_cores"})
-    shared.update(served=config.served_model_name, size=config.data_parallel.size, mode=config.lb.mode)
+    shared.update(served=config.served_model_name, mode=config.lb.mode)  # the size is checked on its own
     digest = hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]
     return model, digest
 
@@ -73,10 +70,14 @@ def registration(config: Config, start_rank: int, size_local: int, engine_addres
 
 
 class HeadHandshake(threading.Thread):
-    def __init__(self, config: Config, own: RegisterNode, accepted: NodeAccepted):
+    def __init__(self, config: Config, own: RegisterNode, accepted: NodeAccepted, on_resize=None):
+        """``on_resize(size)``: the cluster may grow by nodes that join with the next ranks and
+        shrink by the last ones leaving (dense, every node serving its own ranks); called from
+        this thread with the new size, before the joining node hears it was accepted."""
         super().__init__(name="hybridlb-handshake", daemon=True)
         dp = config.data_parallel
-        self.own, self.accepted = own, accepted
+        self.own, self.accepted, self.on_resize = own, accepted, on_resize
+        self.size = own.size  # ranks in the cluster now (``on_resize``)
         self.context = zmq.Context()
         self.router = self.context.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
@@ -163,9 +164,13 @@ class HeadHandshake(threading.Thread):
                          message.start_rank, message.start_rank + message.size_local - 1)
                 del self.nodes[old]
             self.nodes[identity] = message
-            log.info("node %r joined with ranks %d..%d", message.hostname, message.start_rank,
-                     message.start_rank + message.size_local - 1)
+            last = message.start_rank + message.size_local - 1
+            log.info("node %r joined with ranks %d..%d", message.hostname, message.start_rank, last)
+            if last >= self.size:
+                self._resize(last + 1, f"node {message.hostname!r} adds ranks {message.start_rank}..{last}")
             self._send(identity, self.accepted)
+        elif isinstance(message, NodeLeaving):
+            self._leaving(identity)
         elif isinstance(message, NodeReady) and identity not in self.nodes:
             log.warning("dropped a NodeReady from a node that has not joined")
         elif isinstance(message, NodeReady):
@@ -194,18 +199,21 @@ class HeadHandshake(threading.Thread):
         own = self.own
         if own.token and not hmac.compare_digest(node.token.encode(), own.token.encode()):
             return "wrong cluster token; give every node the same --cluster-token / HYBRIDLB_CLUSTER_TOKEN"
-        if node.size != own.size:
-            return (f"this node says data-parallel size {node.size} but the head runs {own.size}; "
-                    "use the same --data-parallel-size")
+        last = node.start_rank + node.size_local - 1
+        grows = self.on_resize is not None and node.start_rank == self.size and node.size == last + 1
+        if node.size != self.size and not (self.on_resize is not None and (grows or last < self.size)):
+            more = (f" (a node that adds ranks to this running cluster starts at rank {self.size} and says the size "
+                    "its last rank makes)") if self.on_resize is not None else ""
+            return (f"this node says data-parallel size {node.size} but the head runs {self.size}; "
+                    f"use the same --data-parallel-size{more}")
         if node.model_fingerprint != own.model_fingerprint:
             return ("the model differs from the head's (config.json does not match); "
                     "serve the same checkpoint everywhere")
         if node.config_hash != own.config_hash:
             return ("engine settings differ from the head's (dtype, max_model_len, block size, model name, ...); "
                     "use the same config on every node")
-        last = node.start_rank + node.size_local - 1
-        if node.start_rank < 0 or node.size_local < 1 or last >= own.size:
-            return f"ranks {node.start_rank}..{last} are not within 0..{own.size - 1} (data-parallel size {own.size})"
+        if node.start_rank < 0 or node.size_local < 1 or (last >= self.size and not grows):
+            return f"ranks {node.start_rank}..{last} are not within 0..{self.size - 1} (data-parallel size {self.size})"
         ranks = set(range(node.start_rank, last + 1))
         if outside := sorted(set(node.engine_addresses) - ranks):
             return f"engine addresses for rank(s) {outside[:8]} that this node does not run"
@@ -218,9 +226,32 @@ class HeadHandshake(threading.Thread):
                         "pick another --data-parallel-start-rank")
         return None
 
+    def _leaving(self, identity: bytes) -> None:
+        """A node stops in order: its ranks leave; the cluster shrinks when they were its last."""
+        node = self.nodes.pop(identity, None)
+        if node is None:
+            return
+        ranks = range(node.start_rank, node.start_rank + node.size_local)
+        self.ready_ranks.difference_update(ranks)
+        for rank in ranks:
+            self.engine_addresses.pop(rank, None)
+        if self.on_resize is not None and ranks.stop == self.size:
+            self._resize(node.start_rank, f"node {node.hostname!r} left with ranks {ranks.start}..{ranks.stop - 1}")
+        else:
+            log.info("node %r left; ranks %d..%d are gone until a node takes them", node.hostname, ranks.start,
+                     ranks.stop - 1)
+
+    def _resize(self, size: int, why: str) -> None:
+        log.info("%s: the cluster has %d ranks now (it had %d)", why, size, self.size)
+        self.size = size
+        try:
+            self.on_resize(size)
+        except Exception:  # the coordinator's count is advisory: the join goes on
+            log.exception("could not tell the coordinator the cluster's new size")
+
     def _check_barrier(self) -> None:
-        if not self.cluster_ready.is_set() and len(self.ready_ranks) == self.own.size:
-            log.info("all %d ranks are up: the cluster is ready", self.own.size)
+        if not self.cluster_ready.is_set() and len(self.ready_ranks) >= self.size:
+            log.info("all %d ranks are up: the cluster is ready", self.size)
             self.cluster_ready.set()
             self._broadcast(ClusterReady(self.engine_addresses))
 
@@ -237,134 +268,3 @@ class HeadHandshake(threading.Thread):
             if exc.errno not in (zmq.EHOSTUNREACH, zmq.EAGAIN):
                 raise
             return False
-
-
-class NodeLink:
-    """A non-head node's line to the head."""
-
-    def __init__(self, config: Config):
-        dp = config.data_parallel
-        self.head = f"tcp://{dp.address}:{dp.rpc_port}"
-        self.context = zmq.Context()
-        self.socket = self.context.socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        # One identity for this process's life: after a reconnect the head still knows who we are.
-        identity = f"node-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        self.socket.setsockopt(zmq.IDENTITY, identity.encode())
-        self.keyed = cluster_token(dp.cluster_token) is not None
-        connect_securely(self.socket, self.head, cluster_token(dp.cluster_token))
-        self.transport = self.socket.get_monitor_socket(HANDSHAKE_FAILED)
-        self.next_probe = 0.0
-        self.socket.connect(self.head)
-        self.last_heard = time.monotonic()
-        self.lost: str | None = None
-        self.registration: RegisterNode | None = None
-        self._watcher: threading.Thread | None = None
-
-    def _recv(self, timeout_s: float):
-        """Next message from the head, or None after ``timeout_s``; heartbeats refresh liveness."""
-        deadline = time.monotonic() + timeout_s
-        while (left := deadline - time.monotonic()) > 0:
-            if not self.socket.poll(int(min(left, 0.5) * 1000) + 1):
-                if time.monotonic() - self.last_heard > HEAD_SILENCE_S:
-                    raise ClusterError(f"lost the head node at {self.head}: no heartbeat for {HEAD_SILENCE_S:.0f} s")
-                continue
-            message = from_head_decoder.decode(self.socket.recv())
-            self.last_heard = time.monotonic()
-            if isinstance(message, Shutdown):
-                raise ClusterError(f"the head node stopped ({message.reason})")
-            if not isinstance(message, Heartbeat):
-                return message
-        return None
-
-    def join(self, registration: RegisterNode, timeout_s: float = 120) -> NodeAccepted:
-        self.registration = registration
-        self.socket.send(encoder.encode(registration))
-        self.last_heard = time.monotonic() + timeout_s  # the head may not be up yet
-        deadline, reply = self.last_heard, None
-        while reply is None and time.monotonic() < deadline:
-            if self._refused():
-                raise ClusterError(f"the head node at {self.head} refused this node's secure connection: the "
-                                   "cluster token differs from the head's (or only one of them has one); give every "
-                                   "node the same --cluster-token / HYBRIDLB_CLUSTER_TOKEN")
-            reply = self._recv(min(0.5, deadline - time.monotonic()))
-        if reply is None:
-            raise ClusterError(f"no answer from the head node at {self.head} within {timeout_s:.0f} s")
-        if isinstance(reply, NodeRejected):
-            raise ClusterError(f"the head node at {self.head} rejected this node: {reply.reason}")
-        self.last_heard = time.monotonic()
-        return reply
-
-    def _refused(self) -> bool:
-        """Whether the head refused our secure handshake. With a token, any failed handshake
-        says so (a wrong key ends in one cut short with no detail). Without one, a protocol
-        error does (the head speaks CURVE), but a handshake cut short with no detail is what
-        a busy head gives as well as a proxy whose head is not up yet: then ask the head's
-        greeting which mechanism it speaks (at most every PROBE_S)."""
-        refused = cut_short = False
-        while self.transport.poll(0):
-            event = parse_monitor_message(self.transport.recv_multipart())["event"]
-            refused |= self.keyed or event != zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-            cut_short = True
-        if cut_short and not refused and time.monotonic() >= self.next_probe:
-            self.next_probe = time.monotonic() + PROBE_S
-            refused = speaks_curve(self.head) is True
-        return refused
-
-    def wait_cluster_ready(self, start_rank: int, timeout_s: float) -> ClusterReady:
-        self.socket.send(encoder.encode(NodeReady(start_rank)))
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            message = self._recv(deadline - time.monotonic())
-            if isinstance(message, ClusterReady):
-                return message
-        raise ClusterError(f"the cluster was not ready within {timeout_s:.0f} s (some node never came up)")
-
-    def watch(self, on_lost, on_back=None) -> None:
-        """From now on, call ``on_lost(reason)`` when the head goes quiet or stops. Without
-        ``on_back`` that ends the watch. With it, register again every ``REJOIN_INTERVAL_S``
-        until a head answers (the same one once a cut link heals, or a restarted one), then
-        call ``on_back(accepted)``: if it returns true, report ready again, wait for the
-        cluster's barrier and watch on; if false, stop here."""
-
-        def loop() -> None:
-            while True:
-                try:
-                    self._recv(3600)
-                except ClusterError as exc:
-                    self.lost = str(exc)
-                    on_lost(self.lost)
-                    if on_back is None or not self._rejoin(on_back):
-                        return
-                    self.lost = None
-                except zmq.ZMQError:  # closed by this node's own shutdown
-                    return
-                except Exception:  # a bug handling one message: say so, keep watching
-                    log.exception("could not handle a message from the head; watching on")
-
-        self._watcher = threading.Thread(target=loop, name="hybridlb-head-watch", daemon=True)
-        self._watcher.start()
-
-    def _rejoin(self, on_back) -> bool:
-        """Register again until a head takes this node (see ``watch``); whether it rejoined."""
-        said = None
-        while True:
-            time.sleep(REJOIN_INTERVAL_S)
-            try:
-                accepted = self.join(self.registration, REJOIN_INTERVAL_S)
-            except ClusterError as exc:  # no head yet, or it refuses us (once: it may still hold our old link)
-                if str(exc) != said and not str(exc).startswith("no answer"):
-                    log.warning("%s; registering again every %.0f s", exc, REJOIN_INTERVAL_S)
-                said = str(exc)
-                continue
-            if not on_back(accepted):
-                return False
-            try:
-                self.wait_cluster_ready(self.registration.start_rank, HEAD_START_S)
-            except ClusterError as exc:
-                log.warning("the head took this node back but the cluster did not come up: %s; trying again", exc)
-                continue
-            return True
-
-    def close(self) -> None:
-        self.context.destroy(linger=0)

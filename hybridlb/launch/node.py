@@ -48,8 +48,9 @@ from hybridlb.engine.spawn import (
 )
 from hybridlb.launch.api_processes import ApiProcesses, NodeStartError
 from hybridlb.launch.autoscale import start_autoscaler
-from hybridlb.launch.handshake import ClusterError, HeadHandshake, NodeLink, registration
-from hybridlb.launch.scaling import MainThreadCalls, ProcessRanks, ScaleControl, growth_room
+from hybridlb.launch.handshake import ClusterError, HeadHandshake, registration
+from hybridlb.launch.node_link import NodeLink
+from hybridlb.launch.scaling import MainThreadCalls, ProcessRanks, ScaleControl, growth_room, send_rank_count
 from hybridlb.launch.supervisor import Supervisor, local_url
 from hybridlb.netaddr import route_to
 from hybridlb.plan import ClusterPlan, NodePlan
@@ -174,7 +175,8 @@ class Node:
                 self._start_coordinator()
             if self.plan.joins_cluster:
                 own = registration(self.config, 0, len(self.node.ranks), {})
-                self.handshake = HeadHandshake(self.config, own, shared)
+                grows = not plan.lockstep and plan.mode in ("hybrid", "multi_port")  # each node serves its own
+                self.handshake = HeadHandshake(self.config, own, shared, self.tell_coordinator if grows else None)
                 self.handshake.start()
             return shared
         if not self.plan.joins_cluster:
@@ -188,6 +190,14 @@ class Node:
             raise NodeStartError(str(exc)) from None
         self.token = self.token or shared.session_key or None
         return shared
+
+    def tell_coordinator(self, size: int) -> None:
+        """Head: the cluster has ``size`` ranks now (a resize, a node that joined with the next
+        ranks or whose last ones left)."""
+        if self.coordinator_args:
+            stats_address, loads, _, waves, token = self.coordinator_args
+            self.coordinator_args = (stats_address, loads, size, waves, token)  # a restarted one starts so
+            send_rank_count(stats_address, token, size)
 
     def _start_coordinator(self) -> None:
         self.coordinator = _spawn.Process(target=run_coordinator, args=self.coordinator_args,
@@ -371,7 +381,7 @@ class Node:
                     process.kill()
                     process.join()
         if self.link is not None:
-            self.link.close()
+            self.link.leave()  # the head drops this node's ranks (a cluster's last ones: it shrinks)
         if self.supervisor is not None:
             self.supervisor.stop()
         for sock in self.sockets.values():  # never handed over: the start failed before the API servers

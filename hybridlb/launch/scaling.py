@@ -352,11 +352,7 @@ class ProcessRanks:
             node.api_args[index] = (config, dataclasses.replace(spec, engines=change(spec.engines)), *rest)
 
     def tell_coordinator(self, size: int) -> None:
-        node = self.node
-        if node.coordinator_args:
-            stats_address, loads, _, waves, token = node.coordinator_args
-            node.coordinator_args = (stats_address, loads, size, waves, token)  # a restarted one starts so
-            send_rank_count(stats_address, token, size)
+        self.node.tell_coordinator(size)
 
 
 def send_rank_count(stats_address: str, token: str | None, size: int) -> None:

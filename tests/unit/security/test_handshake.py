@@ -13,7 +13,8 @@ import pytest
 import zmq
 
 from hybridlb.config import parse_config
-from hybridlb.launch.handshake import ClusterError, HeadHandshake, NodeLink, registration
+from hybridlb.launch.handshake import ClusterError, HeadHandshake, registration
+from hybridlb.launch.node_link import NodeLink
 from hybridlb.protocol import (
     ClusterReady,
     Heartbeat,

@@ -1,0 +1,111 @@
+"""A running dense cluster grows by a node that joins with the next ranks and shrinks when its
+last ones leave (the head's handshake in-process, driven by raw DEALER sockets): the head's
+size and what it tells the coordinator follow; a node with a gap, overlapping ranks, or a
+cluster that cannot grow (MoE, one API server for all ranks) gets a refusal naming the fix."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import zmq
+
+from hybridlb.config import parse_config
+from hybridlb.launch.handshake import HeadHandshake, registration
+from hybridlb.protocol import Heartbeat, NodeAccepted, NodeLeaving, NodeRejected, encoder, from_head_decoder
+from hybridlb.testing.ports import free_port
+
+SHARED = NodeAccepted("tcp://127.0.0.1:7001", "tcp://127.0.0.1:7002", None)
+
+
+def _head(model: str, grows: bool):
+    config = parse_config({"engine": {"model": model}, "data_parallel": {
+        "size": 2, "size_local": 1, "address": "127.0.0.1", "rpc_port": free_port()}})
+    sizes: list[int] = []
+    handshake = HeadHandshake(config, registration(config, 0, 1, {}), SHARED, sizes.append if grows else None)
+    handshake.address = f"tcp://127.0.0.1:{config.data_parallel.rpc_port}"
+    handshake.start()
+    return handshake, sizes
+
+
+@pytest.fixture
+def context():
+    context = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+class Node:
+    def __init__(self, context: zmq.Context, head: HeadHandshake, name: str):
+        self.head, self.name = head, name
+        self.socket = context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(head.address)
+
+    def register(self, start_rank: int, size_local: int, size: int):
+        self.start_rank = start_rank
+        message = msgspec.structs.replace(self.head.own, hostname=self.name, start_rank=start_rank,
+                                          size_local=size_local, size=size)
+        self.socket.send(encoder.encode(message))
+        while self.socket.poll(5000):
+            answer = from_head_decoder.decode(self.socket.recv())
+            if not isinstance(answer, Heartbeat):
+                return answer
+        raise AssertionError("the head did not answer")
+
+    def leave(self, head_size: int) -> None:
+        self.socket.send(encoder.encode(NodeLeaving(self.start_rank)))
+        _until(lambda: self.head.size == head_size)
+
+
+def _until(condition, timeout_s: float = 5) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "the head never got there"
+        time.sleep(0.02)
+
+
+def test_a_node_with_the_next_ranks_grows_the_cluster_and_its_leaving_shrinks_it(tiny_qwen3, context):
+    head, sizes = _head(tiny_qwen3, grows=True)
+    try:
+        b, c = Node(context, head, "node-b"), Node(context, head, "node-c")
+        assert isinstance(b.register(1, 1, 2), NodeAccepted) and sizes == []
+        assert isinstance(c.register(2, 2, 4), NodeAccepted)  # ranks 2..3, the size its last rank makes
+        assert head.size == 4 and sizes == [4]
+        c.leave(head_size=2)
+        assert sizes == [4, 2]
+        assert isinstance(c.register(2, 2, 4), NodeAccepted) and sizes == [4, 2, 4]  # and back
+        # a node of the first two ranks restarting with the flags it started with: within the cluster, taken
+        b2 = Node(context, head, "node-b")
+        assert isinstance(b2.register(1, 1, 2), NodeAccepted) and head.size == 4
+        b2.leave(head_size=4)  # not the last ranks: its ranks are gone, the size stays
+        assert sizes == [4, 2, 4]
+    finally:
+        head.stop("test over")
+
+
+def test_a_gap_an_overlap_or_a_wrong_size_is_refused_with_the_fix(tiny_qwen3, context):
+    head, sizes = _head(tiny_qwen3, grows=True)
+    try:
+        node = Node(context, head, "node-d")
+        gap = node.register(3, 1, 4)
+        assert isinstance(gap, NodeRejected) and "starts at rank 2" in gap.reason, gap
+        overlap = node.register(0, 1, 2)  # the head's rank
+        assert isinstance(overlap, NodeRejected) and "already run by" in overlap.reason, overlap
+        short = node.register(2, 1, 5)  # ranks 2..2 but says 5
+        assert isinstance(short, NodeRejected) and "size" in short.reason, short
+        assert head.size == 2 and sizes == []
+    finally:
+        head.stop("test over")
+
+
+def test_a_cluster_that_cannot_grow_refuses_a_larger_size(tiny_qwen3, context):
+    head, _ = _head(tiny_qwen3, grows=False)
+    try:
+        answer = Node(context, head, "node-c").register(2, 2, 4)
+        assert isinstance(answer, NodeRejected), answer
+        assert "says data-parallel size 4 but the head runs 2; use the same --data-parallel-size" in answer.reason
+        assert head.size == 2
+    finally:
+        head.stop("test over")
