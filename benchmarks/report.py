@@ -31,6 +31,7 @@ from common import script_hash
 from report_api import api_overhead, chat_ttft
 from report_bandwidth import quantized, speculative
 from report_elastic import elastic
+from report_gguf import gguf_default
 from report_lora import lora
 from report_machine import machine_peak, step_profile
 from report_routing import prefix_routing, vllm_ranks
@@ -46,7 +47,7 @@ SECTIONS: dict[str, Callable[[Page, dict], str]] = {
     "prefix_routing": prefix_routing, "chat_ttft": chat_ttft, "quantized": quantized,
     "speculative": speculative, "lora": lora, "machine_peak": machine_peak, "step_profile": step_profile,
     "step_budget": step_budget, "time_accounting": time_accounting, "time_accounting_small": time_accounting,
-    "elastic": elastic,
+    "elastic": elastic, "gguf_default": gguf_default,
 }
 
 BENCHMARKS: dict[str, tuple[str, str, str]] = {  # name: title, command, what it measures
@@ -143,6 +144,9 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {  # name: title, command, what it
                 "SmolLM2 float32 on one node: a step load (idle, 16 closed-loop streams, idle) against a node "
                 "autoscaled between 1 and 2 ranks, fixed DP=1 and fixed DP=2 (tok/s, TTFT, rank-seconds held); "
                 "explicit resizes under the same load (time to the new rank's first token, drain time)."),
+    "gguf_default": ("A .gguf file served as shipped", "python benchmarks/gguf_default.py",
+                     "The bundled SmolLM2 .gguf with no flags (its weights kept quantized, as vLLM keeps a GGUF "
+                     "model) against the bfloat16 Hugging Face checkpoint of the same weights, at concurrency 1."),
     "control_plane": ("Control plane", "python benchmarks/control_plane.py",
                       "Simulated engines: coordinator publish latency at 64-512 engines, one API server's "
                       "request rate, dense DP overhead at 8 and 32 ranks."),
