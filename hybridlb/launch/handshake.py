@@ -230,6 +230,7 @@ class HeadHandshake(threading.Thread):
         """A node stops in order: its ranks leave; the cluster shrinks when they were its last."""
         node = self.nodes.pop(identity, None)
         if node is None:
+            log.warning("dropped a NodeLeaving from a node that has not joined")
             return
         ranks = range(node.start_rank, node.start_rank + node.size_local)
         self.ready_ranks.difference_update(ranks)

@@ -26,6 +26,7 @@ from hybridlb.protocol import (
     Hello,
     LoadAdapters,
     LoadSnapshot,
+    NodeLeaving,
     NodeReady,
     NodeRejected,
     RegisterNode,
@@ -138,6 +139,7 @@ def test_handshake_drops_bad_messages_and_still_answers(cluster, context):
                [pack({"type": "register", "start_rank": "zero", "size_local": 1, "size": 2,
                       "model_fingerprint": "", "config_hash": ""})],
                [encoder.encode(NodeReady(1))],  # from a node that never joined
+               [encoder.encode(NodeLeaving(1))],  # likewise: it takes no ranks away
                [encoder.encode(EngineStats(0, 0, 0, 0.0))]]
         before = _count(head, r"WARNING .*dropped")
         _send_all(dealer, bad)
