@@ -118,3 +118,13 @@ def llama256_dir(tmp_path_factory):
     from hybridlb.model.make_model import make_model
 
     return make_model("llama", "tiny", tmp_path_factory.mktemp("llama256") / "m", seed=2, dims=GGUF_DIMS)
+
+
+@pytest.fixture
+def context():
+    """A ZMQ context of the test's own, for raw sockets that speak to a server's (closed at the end)."""
+    import zmq
+
+    context = zmq.Context()
+    yield context
+    context.destroy(linger=0)

@@ -11,6 +11,7 @@ import socket
 import threading
 import time
 import uuid
+from typing import TYPE_CHECKING
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -24,19 +25,12 @@ from hybridlb.launch.handshake import (
     REJOIN_INTERVAL_S,
     ClusterError,
 )
-from hybridlb.protocol import (
-    ClusterReady,
-    Heartbeat,
-    NodeAccepted,
-    NodeLeaving,
-    NodeReady,
-    NodeRejected,
-    RegisterNode,
-    Shutdown,
-    encoder,
-    from_head_decoder,
-)
+from hybridlb.protocol import ClusterReady, Heartbeat, NodeLeaving, NodeReady, NodeRejected, Shutdown, encoder
+from hybridlb.protocol import from_head_decoder as decoder
 from hybridlb.transport import cluster_token, connect_securely, speaks_curve
+
+if TYPE_CHECKING:
+    from hybridlb.protocol import NodeAccepted, RegisterNode
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +65,7 @@ class NodeLink:
                 if time.monotonic() - self.last_heard > HEAD_SILENCE_S:
                     raise ClusterError(f"lost the head node at {self.head}: no heartbeat for {HEAD_SILENCE_S:.0f} s")
                 continue
-            message = from_head_decoder.decode(self.socket.recv())
+            message = decoder.decode(self.socket.recv())
             self.last_heard = time.monotonic()
             if isinstance(message, Shutdown):
                 raise ClusterError(f"the head node stopped ({message.reason})")

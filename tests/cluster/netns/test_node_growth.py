@@ -15,6 +15,7 @@ import pytest
 
 from hybridlb.coordinator import LOST_AFTER_S
 from hybridlb.testing.servers import start_servers
+from hybridlb.testing.waiting import until
 from tests.cluster.netns.test_serve_hosts import dp_flags, serve_on, stop_all, two_nodes
 
 pytestmark = pytest.mark.slow
@@ -76,13 +77,6 @@ def reported(url: str) -> tuple[set[int], list[int]]:
     return {stats["rank"] for stats in view["cluster"] or []}, view["lost_ranks"]
 
 
-def until(condition, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "never happened"
-        time.sleep(0.2)
-
-
 def test_a_third_node_joins_as_ranks_4_and_5_and_leaves_under_load(network, tiny_qwen3):
     c = network.hosts[2]
     head, worker = two_nodes(network, tiny_qwen3, RPC_PORT)
@@ -92,7 +86,7 @@ def test_a_third_node_joins_as_ranks_4_and_5_and_leaves_under_load(network, tiny
         load.start()
         third = serve_on(network, c, tiny_qwen3, *dp_flags(network, 6, 2, 4, RPC_PORT), "--shutdown-timeout", "30")
         start_servers(third)
-        until(lambda: reported(head.url) == ({0, 1, 2, 3, 4, 5}, []))
+        until(lambda: reported(head.url) == ({0, 1, 2, 3, 4, 5}, []), 30, "the head's coordinator seeing ranks 0..5")
         assert httpx.get(f"{third.url}/ranks", timeout=10).json()["ranks"] == [4, 5]
         assert "adds ranks 4..5: the cluster has 6 ranks now (it had 4)" in head.output
         # Its ranks serve; then it stops with streams in flight, which end whole.
@@ -110,7 +104,7 @@ def test_a_third_node_joins_as_ranks_4_and_5_and_leaves_under_load(network, tiny
             thread.join(60)
         assert outcomes == [None] * 6, outcomes
         assert third.process.wait(60) == 0, third.output[-3000:]
-        until(lambda: reported(head.url) == ({0, 1, 2, 3}, []))
+        until(lambda: reported(head.url) == ({0, 1, 2, 3}, []), 30, "the head's coordinator back at ranks 0..3")
         assert "left with ranks 4..5: the cluster has 4 ranks now (it had 6)" in head.output
         time.sleep(LOST_AFTER_S + 1)  # past the coordinator's silence limit: a departed rank is not a lost one
         assert reported(head.url) == ({0, 1, 2, 3}, [])

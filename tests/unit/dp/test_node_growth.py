@@ -6,13 +6,13 @@ cluster that cannot grow (MoE, one API server for all ranks) gets a refusal nami
 from __future__ import annotations
 
 import msgspec
-import pytest
 import zmq
 
 from hybridlb.config import parse_config
 from hybridlb.launch.handshake import HeadHandshake, registration
 from hybridlb.protocol import Heartbeat, NodeAccepted, NodeLeaving, NodeRejected, encoder, from_head_decoder
 from hybridlb.testing.ports import free_port
+from hybridlb.testing.waiting import until
 
 SHARED = NodeAccepted("tcp://127.0.0.1:7001", "tcp://127.0.0.1:7002", None)
 
@@ -25,13 +25,6 @@ def _head(model: str, grows: bool):
     handshake.address = f"tcp://127.0.0.1:{config.data_parallel.rpc_port}"
     handshake.start()
     return handshake, sizes
-
-
-@pytest.fixture
-def context():
-    context = zmq.Context()
-    yield context
-    context.destroy(linger=0)
 
 
 class Node:
@@ -54,16 +47,7 @@ class Node:
 
     def leave(self, head_size: int) -> None:
         self.socket.send(encoder.encode(NodeLeaving(self.start_rank)))
-        _until(lambda: self.head.size == head_size)
-
-
-def _until(condition, timeout_s: float = 5) -> None:
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "the head never got there"
-        time.sleep(0.02)
+        until(lambda: self.head.size == head_size, 5, f"the head at {head_size} ranks", 0.02)
 
 
 def test_a_node_with_the_next_ranks_grows_the_cluster_and_its_leaving_shrinks_it(tiny_qwen3, context):

@@ -45,13 +45,6 @@ def head(tiny_qwen3):
         handshake.stop("test over")
 
 
-@pytest.fixture
-def context():
-    context = zmq.Context()
-    yield context
-    context.destroy(linger=0)
-
-
 class Node:
     """A raw DEALER that speaks the handshake."""
 
