@@ -200,10 +200,11 @@ class HeadHandshake(threading.Thread):
         if own.token and not hmac.compare_digest(node.token.encode(), own.token.encode()):
             return "wrong cluster token; give every node the same --cluster-token / HYBRIDLB_CLUSTER_TOKEN"
         last = node.start_rank + node.size_local - 1
-        grows = self.on_resize is not None and node.start_rank == self.size and node.size == last + 1
-        if node.size != self.size and not (self.on_resize is not None and (grows or last < self.size)):
-            more = (f" (a node that adds ranks to this running cluster starts at rank {self.size} and says the size "
-                    "its last rank makes)") if self.on_resize is not None else ""
+        up = self.on_resize is not None and self.cluster_ready.is_set()  # a running cluster that may grow
+        grows = up and node.start_rank == self.size and node.size == last + 1
+        if node.size != self.size and not (up and (grows or last < self.size)):
+            more = (f" (once the cluster is up, a node that adds ranks to it starts at rank {self.size} and says the "
+                    "size its last rank makes)") if self.on_resize is not None else ""
             return (f"this node says data-parallel size {node.size} but the head runs {self.size}; "
                     f"use the same --data-parallel-size{more}")
         if node.model_fingerprint != own.model_fingerprint:
@@ -227,7 +228,8 @@ class HeadHandshake(threading.Thread):
         return None
 
     def _leaving(self, identity: bytes) -> None:
-        """A node stops in order: its ranks leave; the cluster shrinks when they were its last."""
+        """A node stops in order: its ranks leave; a running cluster shrinks when they were its last
+        (before the barrier nothing shrinks: the node may register again, and the start waits for it)."""
         node = self.nodes.pop(identity, None)
         if node is None:
             log.warning("dropped a NodeLeaving from a node that has not joined")
@@ -236,7 +238,7 @@ class HeadHandshake(threading.Thread):
         self.ready_ranks.difference_update(ranks)
         for rank in ranks:
             self.engine_addresses.pop(rank, None)
-        if self.on_resize is not None and ranks.stop == self.size:
+        if self.on_resize is not None and self.cluster_ready.is_set() and ranks.stop == self.size:
             self._resize(node.start_rank, f"node {node.hostname!r} left with ranks {ranks.start}..{ranks.stop - 1}")
         else:
             log.info("node %r left; ranks %d..%d are gone until a node takes them", node.hostname, ranks.start,

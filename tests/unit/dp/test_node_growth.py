@@ -10,7 +10,15 @@ import zmq
 
 from hybridlb.config import parse_config
 from hybridlb.launch.handshake import HeadHandshake, registration
-from hybridlb.protocol import Heartbeat, NodeAccepted, NodeLeaving, NodeRejected, encoder, from_head_decoder
+from hybridlb.protocol import (
+    Heartbeat,
+    NodeAccepted,
+    NodeLeaving,
+    NodeReady,
+    NodeRejected,
+    encoder,
+    from_head_decoder,
+)
 from hybridlb.testing.ports import free_port
 from hybridlb.testing.waiting import until
 
@@ -24,6 +32,7 @@ def _head(model: str, grows: bool):
     handshake = HeadHandshake(config, registration(config, 0, 1, {}), SHARED, sizes.append if grows else None)
     handshake.address = f"tcp://127.0.0.1:{config.data_parallel.rpc_port}"
     handshake.start()
+    handshake.mark_local_ready({0: "ipc:///nowhere/engine-0"})
     return handshake, sizes
 
 
@@ -45,6 +54,9 @@ class Node:
                 return answer
         raise AssertionError("the head did not answer")
 
+    def ready(self) -> None:
+        self.socket.send(encoder.encode(NodeReady(self.start_rank)))
+
     def leave(self, head_size: int) -> None:
         self.socket.send(encoder.encode(NodeLeaving(self.start_rank)))
         until(lambda: self.head.size == head_size, 5, f"the head at {head_size} ranks", 0.02)
@@ -55,6 +67,10 @@ def test_a_node_with_the_next_ranks_grows_the_cluster_and_its_leaving_shrinks_it
     try:
         b, c = Node(context, head, "node-b"), Node(context, head, "node-c")
         assert isinstance(b.register(1, 1, 2), NodeAccepted) and sizes == []
+        early = c.register(2, 2, 4)  # before the barrier: a cluster still starting does not grow
+        assert isinstance(early, NodeRejected) and "once the cluster is up" in early.reason, early
+        b.ready()
+        until(head.cluster_ready.is_set, 5, "the barrier")
         assert isinstance(c.register(2, 2, 4), NodeAccepted)  # ranks 2..3, the size its last rank makes
         assert head.size == 4 and sizes == [4]
         c.leave(head_size=2)
@@ -72,6 +88,10 @@ def test_a_node_with_the_next_ranks_grows_the_cluster_and_its_leaving_shrinks_it
 def test_a_gap_an_overlap_or_a_wrong_size_is_refused_with_the_fix(tiny_qwen3, context):
     head, sizes = _head(tiny_qwen3, grows=True)
     try:
+        b = Node(context, head, "node-b")
+        b.register(1, 1, 2)
+        b.ready()
+        until(head.cluster_ready.is_set, 5, "the barrier")
         node = Node(context, head, "node-d")
         gap = node.register(3, 1, 4)
         assert isinstance(gap, NodeRejected) and "starts at rank 2" in gap.reason, gap
@@ -91,5 +111,22 @@ def test_a_cluster_that_cannot_grow_refuses_a_larger_size(tiny_qwen3, context):
         assert isinstance(answer, NodeRejected), answer
         assert "says data-parallel size 4 but the head runs 2; use the same --data-parallel-size" in answer.reason
         assert head.size == 2
+    finally:
+        head.stop("test over")
+
+
+def test_before_the_barrier_a_node_that_leaves_shrinks_nothing_and_may_come_back(tiny_qwen3, context):
+    """A node whose start fails stops in order: the cluster still starting keeps its size and waits for it."""
+    head, sizes = _head(tiny_qwen3, grows=True)
+    try:
+        b = Node(context, head, "node-b")
+        assert isinstance(b.register(1, 1, 2), NodeAccepted)
+        b.socket.send(encoder.encode(NodeLeaving(1)))
+        until(lambda: not head.nodes, 5, "the head dropping node-b")
+        assert head.size == 2 and sizes == [] and not head.cluster_ready.is_set()
+        assert isinstance(b.register(1, 1, 2), NodeAccepted)
+        b.ready()
+        until(head.cluster_ready.is_set, 5, "the barrier with node-b back")
+        assert sizes == []
     finally:
         head.stop("test over")
