@@ -69,7 +69,8 @@ def test_a_launcher_port_taken_while_starting_is_one_log_line(monkeypatch, caplo
 
     monkeypatch.setattr(serve_node.lifecycle, "StopSignals", Signals)
     node = SimpleNamespace(index=0)
-    assert serve_node._run(Runner(), SimpleNamespace(), node) == 2
+    config = SimpleNamespace(api=SimpleNamespace(shutdown_timeout_s=0.0))
+    assert serve_node._run(Runner(), config, node) == 2
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert len(errors) == 1 and "was taken after the start-up check" in errors[0], errors
 
