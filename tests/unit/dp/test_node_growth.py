@@ -5,6 +5,8 @@ cluster that cannot grow (MoE, one API server for all ranks) gets a refusal nami
 
 from __future__ import annotations
 
+import contextlib
+
 import msgspec
 import zmq
 
@@ -25,6 +27,7 @@ from hybridlb.testing.waiting import until
 SHARED = NodeAccepted("tcp://127.0.0.1:7001", "tcp://127.0.0.1:7002", None)
 
 
+@contextlib.contextmanager
 def _head(model: str, grows: bool):
     config = parse_config({"engine": {"model": model}, "data_parallel": {
         "size": 2, "size_local": 1, "address": "127.0.0.1", "rpc_port": free_port()}})
@@ -33,7 +36,10 @@ def _head(model: str, grows: bool):
     handshake.address = f"tcp://127.0.0.1:{config.data_parallel.rpc_port}"
     handshake.start()
     handshake.mark_local_ready({0: "ipc:///nowhere/engine-0"})
-    return handshake, sizes
+    try:
+        yield handshake, sizes
+    finally:
+        handshake.stop("test over")
 
 
 class Node:
@@ -63,8 +69,7 @@ class Node:
 
 
 def test_a_node_with_the_next_ranks_grows_the_cluster_and_its_leaving_shrinks_it(tiny_qwen3, context):
-    head, sizes = _head(tiny_qwen3, grows=True)
-    try:
+    with _head(tiny_qwen3, grows=True) as (head, sizes):
         b, c = Node(context, head, "node-b"), Node(context, head, "node-c")
         assert isinstance(b.register(1, 1, 2), NodeAccepted) and sizes == []
         early = c.register(2, 2, 4)  # before the barrier: a cluster still starting does not grow
@@ -81,13 +86,10 @@ def test_a_node_with_the_next_ranks_grows_the_cluster_and_its_leaving_shrinks_it
         assert isinstance(b2.register(1, 1, 2), NodeAccepted) and head.size == 4
         b2.leave(head_size=4)  # not the last ranks: its ranks are gone, the size stays
         assert sizes == [4, 2, 4]
-    finally:
-        head.stop("test over")
 
 
 def test_a_gap_an_overlap_or_a_wrong_size_is_refused_with_the_fix(tiny_qwen3, context):
-    head, sizes = _head(tiny_qwen3, grows=True)
-    try:
+    with _head(tiny_qwen3, grows=True) as (head, sizes):
         b = Node(context, head, "node-b")
         b.register(1, 1, 2)
         b.ready()
@@ -100,25 +102,19 @@ def test_a_gap_an_overlap_or_a_wrong_size_is_refused_with_the_fix(tiny_qwen3, co
         short = node.register(2, 1, 5)  # ranks 2..2 but says 5
         assert isinstance(short, NodeRejected) and "size" in short.reason, short
         assert head.size == 2 and sizes == []
-    finally:
-        head.stop("test over")
 
 
 def test_a_cluster_that_cannot_grow_refuses_a_larger_size(tiny_qwen3, context):
-    head, _ = _head(tiny_qwen3, grows=False)
-    try:
+    with _head(tiny_qwen3, grows=False) as (head, _):
         answer = Node(context, head, "node-c").register(2, 2, 4)
         assert isinstance(answer, NodeRejected), answer
         assert "says data-parallel size 4 but the head runs 2; use the same --data-parallel-size" in answer.reason
         assert head.size == 2
-    finally:
-        head.stop("test over")
 
 
 def test_before_the_barrier_a_node_that_leaves_shrinks_nothing_and_may_come_back(tiny_qwen3, context):
     """A node whose start fails stops in order: the cluster still starting keeps its size and waits for it."""
-    head, sizes = _head(tiny_qwen3, grows=True)
-    try:
+    with _head(tiny_qwen3, grows=True) as (head, sizes):
         b = Node(context, head, "node-b")
         assert isinstance(b.register(1, 1, 2), NodeAccepted)
         b.socket.send(encoder.encode(NodeLeaving(1)))
@@ -128,5 +124,3 @@ def test_before_the_barrier_a_node_that_leaves_shrinks_nothing_and_may_come_back
         b.ready()
         until(head.cluster_ready.is_set, 5, "the barrier with node-b back")
         assert sizes == []
-    finally:
-        head.stop("test over")
