@@ -17,6 +17,9 @@ from hybridlb.engine.shell import run_engine
 from hybridlb.protocol import EngineReady
 
 _spawn = multiprocessing.get_context("spawn")
+# Engines that run a model are forked from a server that imported torch once (hybridlb.engine.preload).
+_forks = multiprocessing.get_context("forkserver")
+_forks.set_forkserver_preload(["hybridlb.engine.preload"])
 
 
 class EngineStartError(RuntimeError):
@@ -78,8 +81,9 @@ def start_engine(config: EngineConfig, rank: int, address: str, torch_threads: i
     """Spawn the engine of ``rank``; ``dp`` says how it fits in the cluster (default: alone),
     ``cores`` which cores it may borrow from idle siblings (default: none)."""
     dp = dp or DPContext(rank=rank)
-    reader, writer = _spawn.Pipe(duplex=False)
-    process = _spawn.Process(
+    context = _spawn if config.simulate is not None else _forks
+    reader, writer = context.Pipe(duplex=False)
+    process = context.Process(
         target=run_engine, args=(config, dp, address, torch_threads, writer, cores),
         name=f"hybridlb:engine:{rank}", daemon=True,
     )

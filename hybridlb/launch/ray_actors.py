@@ -108,6 +108,29 @@ class _ThreadedActor:
         self.thread.join(5)
 
 
+def _current_size(cluster: str, size: int) -> int:
+    """The cluster's rank count for a coordinator that starts with ``size``: Ray restarts an
+    actor with the arguments it first had, so one restarted after a resize asks the cluster's
+    scaler (``hybridlb.launch.ray_scaling``; none on a first start, or where the cluster cannot
+    be resized)."""
+    from hybridlb.launch.ray_session import actor_name
+
+    try:
+        scaler = ray.get_actor(actor_name(cluster, "scaler"), ray.get_runtime_context().namespace)
+    except ValueError:
+        return size
+    try:
+        current = ray.get(scaler.size.remote(), timeout=10)
+    except Exception as exc:  # a scaler that does not answer: the first size, until its next resize says
+        logging.getLogger("hybridlb.up").warning("the coordinator could not ask the scaler for the cluster's "
+                                                 "size (%s); it assumes %d ranks", type(exc).__name__, size)
+        return size
+    if current != size:
+        logging.getLogger("hybridlb.up").info("the coordinator restarts with %d ranks (resized from %d)",
+                                              current, size)
+    return current
+
+
 @ray.remote
 class CoordinatorActor(_ThreadedActor):
     def __init__(self, cluster: str, size: int, lockstep: bool, ip: str, ports: list[int], token: str | None):
@@ -115,6 +138,7 @@ class CoordinatorActor(_ThreadedActor):
         from hybridlb.coordinator import Coordinator
 
         stats, loads, waves, rendezvous = (f"tcp://{ip}:{port}" for port in ports)
+        size = _current_size(cluster, size)
         self.loop = Coordinator(stats, loads, size, waves if lockstep else None, token)
         self.cluster, self.size = cluster, size
         self.rendezvous = rendezvous if lockstep else None  # rank 0's torch.distributed store listens here

@@ -60,9 +60,10 @@ def wait_quiet(pids: list[int], below: float = 0.05, timeout_s: float = 20.0) ->
 
 
 def child_titles(pid: int) -> dict[str, int]:
-    """Command line (a process title for hybridlb's own) → pid of ``pid``'s direct children."""
+    """Command line (a process title for hybridlb's own) → pid of ``pid``'s descendants (an engine is
+    its node's fork server's child)."""
     titles = {}
-    for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+    for child in process_tree(pid)[1:]:
         try:
             cmdline = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
         except FileNotFoundError:

@@ -1,7 +1,7 @@
 """Resizing a cluster `hybridlb up` placed on Ray (``hybridlb.launch.ray_scaling``): one node of a
 dense model grows through vLLM's ``POST /scale_elastic_ep`` and shrinks through ``hybridlb
-scale``; the new rank is an engine actor that serves, a restarted API server catches up with
-the current ranks, the leaving rank's actor is gone, and `down` leaves nothing behind."""
+scale``; the new rank is an engine actor that serves, a restarted API server and a restarted
+coordinator catch up with the current ranks, the leaving rank's actor is gone, and `down` leaves nothing behind."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import httpx
 import pytest
 import ray
 
+from hybridlb.coordinator import LOST_AFTER_S
 from hybridlb.launch.ray_scaling import scale
 from hybridlb.launch.ray_session import UpError
 from hybridlb.testing.ports import free_port
@@ -72,6 +73,36 @@ def test_a_one_node_cluster_grows_shrinks_and_a_restarted_api_server_catches_up(
     finally:
         cluster.stop()
     assert _actors("elastic") == []
+
+
+def test_a_restarted_coordinator_counts_the_ranks_the_cluster_has_now(ray_cluster, tiny_qwen3):
+    """Ray starts a killed coordinator with the arguments it first had (2 ranks); after a shrink to 1
+    it asks the scaler, so it does not wait for rank 1 and report it lost."""
+    cluster = start({
+        "engine": {"model": tiny_qwen3, "max_model_len": 512, "kv_cache_gib": 0.05, "torch_threads": 1},
+        "api": {"served_model_name": "m"},
+        "data_parallel": {"size": 2, "restart_policy": "restart", "nodes": [
+            {"size_local": 2, "api_port": free_port(), "ray_resource": NODE_RESOURCES[0]}]},
+        "ray": {"name": "recount", "cpus_per_engine": 1, "cpus_per_api_server": 1, "ready_timeout_s": 120},
+    })
+    try:
+        assert scale("recount", 1, 5, None, "hybridlb") == "Scaled to 1 data parallel engines"
+        coordinator = ray.get_actor("hybridlb:recount:coordinator", "hybridlb")
+        ray.kill(coordinator, no_restart=False)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                ray.get(coordinator.snapshot.remote(), timeout=10)
+                break
+            except ray.exceptions.RayError:  # still restarting
+                assert time.monotonic() < deadline, "the coordinator never came back"
+                time.sleep(0.5)
+        time.sleep(LOST_AFTER_S + 1)  # a rank it expects and does not hear from is lost by then
+        snapshot = ray.get(coordinator.snapshot.remote(), timeout=10)
+        assert snapshot["lost_ranks"] == [] and [engine["rank"] for engine in snapshot["engines"]] == [0], snapshot
+    finally:
+        cluster.stop()
+    assert _actors("recount") == []
 
 
 def test_an_autoscaled_cluster_grows_under_load_and_shrinks_when_idle(ray_cluster, tiny_qwen3):

@@ -86,7 +86,8 @@ def test_engine_and_coordinator_deaths_without_restart(tiny_qwen3):
 def test_restart_policy_brings_every_part_back(tiny_qwen3):
     (server,) = start_servers(_dp2(tiny_qwen3, "--restart-policy", "restart"))
     try:
-        for title in ("hybridlb:engine:1", "hybridlb:coordinator", "hybridlb:api:0"):
+        # the fork server last: its engines (both) die with it and come back from a new one
+        for title in ("hybridlb:engine:1", "hybridlb:coordinator", "hybridlb:api:0", "hybridlb:engine-forks"):
             streams = Streams([server.url], server.model, 4, max_tokens=200)
             streams.wait_streaming()
             old = server.children()[title]
@@ -101,6 +102,7 @@ def test_restart_policy_brings_every_part_back(tiny_qwen3):
                             json={"model": server.model, "prompt": "back", "max_tokens": 4})
         assert pinned.status_code == 200
         assert "restarting engine 1" in server.output and "restarting the coordinator" in server.output
+        assert "restarting engine 0" in server.output  # with the fork server
     finally:
         assert server.stop() == 0
 
