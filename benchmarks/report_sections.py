@@ -189,10 +189,14 @@ def moe_waves(page: Page, data: dict) -> str:
 
 def up_time(page: Page, data: dict) -> str:
     local, three = data["local"], data["three_nodes"]
-    page.table(["setup", "ready s", "RSS MiB"],
-               [["`hybridlb serve` configs/local.yaml", local["serve"]["ready_s"], local["serve"]["tree_rss_mib"]],
-                ["`hybridlb up` configs/local.yaml (private Ray)", local["up"]["ready_s"], local["up"]["tree_rss_mib"]],
-                ["`up` on 3 Ray nodes x 2 engines (raylet trees)", three["ready_s"], three["raylet_tree_rss_mib"]]])
+    page.table(["setup", "ready s", "RSS MiB", "PSS MiB"],
+               [["`hybridlb serve` configs/local.yaml", local["serve"]["ready_s"], local["serve"]["tree_rss_mib"],
+                 local["serve"].get("tree_pss_mib", "")],
+                ["`hybridlb up` configs/local.yaml (private Ray)", local["up"]["ready_s"], local["up"]["tree_rss_mib"],
+                 local["up"].get("tree_pss_mib", "")],
+                ["`up` on 3 Ray nodes x 2 engines (raylet trees)", three["ready_s"], three["raylet_tree_rss_mib"], ""]])
+    page.text("RSS counts a page shared by several processes of the tree in each; PSS splits it among them "
+              "(a `serve` node's engines are forked from one server and share torch's pages).")
     page.text(f"Ray adds **{local['ray_adds_mib']:.0f} MiB** on one node.")
 
     def draw(left, right):

@@ -3,7 +3,9 @@
 1. configs/local.yaml (one node, two engines) with ``hybridlb serve`` and with
    ``hybridlb up`` (a private local Ray cluster): seconds from the command to its ready
    line, and resident memory of the whole process tree once ready; the difference is what
-   Ray adds on one node (GCS, raylet, dashboard, core workers).
+   Ray adds on one node (GCS, raylet, dashboard, core workers). RSS counts a page every
+   process of the tree maps once per process; PSS splits it among them (the engines forked
+   from one server share torch's pages), so PSS is what the tree costs the machine.
 2. A three-node Ray cluster on this machine (``ray.cluster_utils.Cluster``) with two
    engines per node: seconds from ``up`` to ready, and each raylet's memory.
 
@@ -24,6 +26,8 @@ from pathlib import Path
 
 import yaml
 from common import free_port, stamp, tree_rss_mib
+
+from hybridlb.testing.procs import tree_pss_mib
 
 
 def timed_start(command: list[str]) -> tuple[subprocess.Popen, float]:
@@ -60,10 +64,11 @@ def one_node() -> dict:
         for name, command in (("serve", ["serve", "--config", str(config)]), ("up", ["up", str(config)])):
             process, seconds = timed_start([sys.executable, "-m", "hybridlb", *command])
             time.sleep(2)  # let resident memory settle
-            rows[name] = {"ready_s": seconds, "tree_rss_mib": tree_rss_mib(process.pid)}
+            rows[name] = {"ready_s": seconds, "tree_rss_mib": tree_rss_mib(process.pid),
+                          "tree_pss_mib": tree_pss_mib(process.pid)}
             stop(process)
-            print(f"  hybridlb {name:<6} ready in {seconds:5.1f} s, process tree {rows[name]['tree_rss_mib']:6.0f} MiB",
-                  flush=True)
+            print(f"  hybridlb {name:<6} ready in {seconds:5.1f} s, process tree {rows[name]['tree_rss_mib']:6.0f} MiB "
+                  f"RSS, {rows[name]['tree_pss_mib']:6.0f} MiB PSS", flush=True)
     rows["ray_adds_mib"] = rows["up"]["tree_rss_mib"] - rows["serve"]["tree_rss_mib"]
     print(f"  Ray adds {rows['ray_adds_mib']:.0f} MiB on this node", flush=True)
     return rows

@@ -33,6 +33,19 @@ def tree_rss_mib(pid: int) -> float:
     return total / 1024
 
 
+def tree_pss_mib(pid: int) -> float:
+    """Proportional memory of a process and its descendants: each shared page split among the
+    processes mapping it, so pages forked processes share count once (their RSS counts them in each)."""
+    total = 0
+    for current in process_tree(pid):
+        try:
+            rollup = Path(f"/proc/{current}/smaps_rollup").read_text()
+            total += int(next(line.split()[1] for line in rollup.splitlines() if line.startswith("Pss:")))
+        except (FileNotFoundError, StopIteration, ProcessLookupError, PermissionError):
+            continue
+    return total / 1024
+
+
 def cpu_seconds(pids: list[int]) -> float:
     """User plus system CPU time of ``pids`` (not their children)."""
     ticks = 0
