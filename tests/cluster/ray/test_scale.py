@@ -33,14 +33,19 @@ def _actors(name: str) -> list[str]:
                   if a["name"].startswith(f"hybridlb:{name}:"))
 
 
-def test_a_one_node_cluster_grows_shrinks_and_a_restarted_api_server_catches_up(ray_cluster, tiny_qwen3):
-    cluster = start({
-        "engine": {"model": tiny_qwen3, "max_model_len": 512, "kv_cache_gib": 0.05, "torch_threads": 1},
+def _one_node(model: str, name: str, size: int):
+    """A one-node cluster of ``size`` ranks of ``model`` that restarts what dies, started."""
+    return start({
+        "engine": {"model": model, "max_model_len": 512, "kv_cache_gib": 0.05, "torch_threads": 1},
         "api": {"served_model_name": "m"},
-        "data_parallel": {"size": 1, "restart_policy": "restart", "nodes": [
-            {"size_local": 1, "api_port": free_port(), "ray_resource": NODE_RESOURCES[0]}]},
-        "ray": {"name": "elastic", "cpus_per_engine": 1, "cpus_per_api_server": 1, "ready_timeout_s": 120},
+        "data_parallel": {"size": size, "restart_policy": "restart", "nodes": [
+            {"size_local": size, "api_port": free_port(), "ray_resource": NODE_RESOURCES[0]}]},
+        "ray": {"name": name, "cpus_per_engine": 1, "cpus_per_api_server": 1, "ready_timeout_s": 120},
     })
+
+
+def test_a_one_node_cluster_grows_shrinks_and_a_restarted_api_server_catches_up(ray_cluster, tiny_qwen3):
+    cluster = _one_node(tiny_qwen3, "elastic", 1)
     try:
         ((_, api),) = cluster.apis
         url = ray.get(api.url.remote())
@@ -78,13 +83,7 @@ def test_a_one_node_cluster_grows_shrinks_and_a_restarted_api_server_catches_up(
 def test_a_restarted_coordinator_counts_the_ranks_the_cluster_has_now(ray_cluster, tiny_qwen3):
     """Ray starts a killed coordinator with the arguments it first had (2 ranks); after a shrink to 1
     it asks the scaler, so it does not wait for rank 1 and report it lost."""
-    cluster = start({
-        "engine": {"model": tiny_qwen3, "max_model_len": 512, "kv_cache_gib": 0.05, "torch_threads": 1},
-        "api": {"served_model_name": "m"},
-        "data_parallel": {"size": 2, "restart_policy": "restart", "nodes": [
-            {"size_local": 2, "api_port": free_port(), "ray_resource": NODE_RESOURCES[0]}]},
-        "ray": {"name": "recount", "cpus_per_engine": 1, "cpus_per_api_server": 1, "ready_timeout_s": 120},
-    })
+    cluster = _one_node(tiny_qwen3, "recount", 2)
     try:
         assert scale("recount", 1, 5, None, "hybridlb") == "Scaled to 1 data parallel engines"
         coordinator = ray.get_actor("hybridlb:recount:coordinator", "hybridlb")
