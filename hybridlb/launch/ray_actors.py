@@ -119,15 +119,15 @@ def _current_size(cluster: str, size: int) -> int:
         scaler = ray.get_actor(actor_name(cluster, "scaler"), ray.get_runtime_context().namespace)
     except ValueError:
         return size
+    log = logging.getLogger("hybridlb.up")
     try:
         current = ray.get(scaler.size.remote(), timeout=10)
     except Exception as exc:  # a scaler that does not answer: the first size, until its next resize says
-        logging.getLogger("hybridlb.up").warning("the coordinator could not ask the scaler for the cluster's "
-                                                 "size (%s); it assumes %d ranks", type(exc).__name__, size)
+        log.warning("the coordinator could not ask the scaler for the cluster's size (%s); it assumes %d ranks",
+                    type(exc).__name__, size)
         return size
     if current != size:
-        logging.getLogger("hybridlb.up").info("the coordinator restarts with %d ranks (resized from %d)",
-                                              current, size)
+        log.info("the coordinator restarts with %d ranks (resized from %d)", current, size)
     return current
 
 

@@ -23,27 +23,25 @@ def process_tree(pid: int) -> list[int]:
 
 def tree_rss_mib(pid: int) -> float:
     """Resident memory of a process and all its descendants."""
-    total = 0
-    for current in process_tree(pid):
-        try:
-            status = Path(f"/proc/{current}/status").read_text()
-            total += int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS")))
-        except (FileNotFoundError, StopIteration, ProcessLookupError):
-            continue
-    return total / 1024
+    return _tree_kib(pid, "status", "VmRSS:") / 1024
 
 
 def tree_pss_mib(pid: int) -> float:
     """Proportional memory of a process and its descendants: each shared page split among the
     processes mapping it, so pages forked processes share count once (their RSS counts them in each)."""
+    return _tree_kib(pid, "smaps_rollup", "Pss:") / 1024
+
+
+def _tree_kib(pid: int, table: str, field: str) -> int:
+    """The sum of ``field`` (in kB) of /proc/PID/``table`` over a process and its descendants."""
     total = 0
     for current in process_tree(pid):
         try:
-            rollup = Path(f"/proc/{current}/smaps_rollup").read_text()
-            total += int(next(line.split()[1] for line in rollup.splitlines() if line.startswith("Pss:")))
+            text = Path(f"/proc/{current}/{table}").read_text()
+            total += int(next(line.split()[1] for line in text.splitlines() if line.startswith(field)))
         except (FileNotFoundError, StopIteration, ProcessLookupError, PermissionError):
             continue
-    return total / 1024
+    return total
 
 
 def cpu_seconds(pids: list[int]) -> float:

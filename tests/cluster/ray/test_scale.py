@@ -15,6 +15,7 @@ from hybridlb.coordinator import LOST_AFTER_S
 from hybridlb.launch.ray_scaling import scale
 from hybridlb.launch.ray_session import UpError
 from hybridlb.testing.ports import free_port
+from hybridlb.testing.waiting import until
 from tests.cluster.ray.conftest import NODE_RESOURCES
 from tests.cluster.ray.test_up import start
 
@@ -31,6 +32,14 @@ def _pinned(url: str, rank: int) -> httpx.Response:
 def _actors(name: str) -> list[str]:
     return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                   if a["name"].startswith(f"hybridlb:{name}:"))
+
+
+def _answers(actor) -> bool:
+    try:
+        ray.get(actor.snapshot.remote(), timeout=10)
+        return True
+    except ray.exceptions.RayError:  # still restarting
+        return False
 
 
 def _one_node(model: str, name: str, size: int):
@@ -88,14 +97,7 @@ def test_a_restarted_coordinator_counts_the_ranks_the_cluster_has_now(ray_cluste
         assert scale("recount", 1, 5, None, "hybridlb") == "Scaled to 1 data parallel engines"
         coordinator = ray.get_actor("hybridlb:recount:coordinator", "hybridlb")
         ray.kill(coordinator, no_restart=False)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                ray.get(coordinator.snapshot.remote(), timeout=10)
-                break
-            except ray.exceptions.RayError:  # still restarting
-                assert time.monotonic() < deadline, "the coordinator never came back"
-                time.sleep(0.5)
+        until(lambda: _answers(coordinator), 60, "the coordinator's restart", 0.5)
         time.sleep(LOST_AFTER_S + 1)  # a rank it expects and does not hear from is lost by then
         snapshot = ray.get(coordinator.snapshot.remote(), timeout=10)
         assert snapshot["lost_ranks"] == [] and [engine["rank"] for engine in snapshot["engines"]] == [0], snapshot
